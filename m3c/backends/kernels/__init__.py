@@ -1,0 +1,1 @@
+"""Triton kernel families (one file a family); compiled per target by m3c.backends."""
