@@ -23,14 +23,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from m3c.backends.kernels import qkv_fused as qf
+from m3c.backends.kernels import qkv_fused_launch as qf
 from m3c.model_defs import quant
 from m3c.model_defs.layers import apply_rope, rms_norm, rope_cos_sin
 from m3c.model_defs.presets import get_preset
 
 PEAK_BF16 = 750e12  # measured dense bf16 GEMM on this H200 (DESIGN.md: ~700-790 TFLOP/s)
 READ_BW = 4.28e12  # measured read bandwidth, bytes/s
-TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3)]
+PREFILL_TILES = [(64, 64, 4, 4, 1), (64, 128, 4, 3, 1), (128, 64, 8, 3, 1), (128, 64, 4, 4, 1), (128, 128, 8, 3, 1)]
+DECODE_TILES = [(16, 128, 4, 4, 4), (16, 128, 4, 4, 8), (16, 128, 4, 4, 12), (16, 64, 4, 4, 16), (64, 128, 4, 4, 8),
+                (64, 64, 4, 4, 12)]
 
 
 def bench(fn, warmup_ms: int = 30, rep_ms: int = 150) -> float:
@@ -89,11 +91,12 @@ class RefQKV(torch.nn.Module):
 
 def check_bytes(cfg, shape, x, w, cos, sin, slots, norms, caches) -> dict:
     """Fused kernel vs the reference quantizer on the same bf16 inputs: differing scale blocks and bytes."""
-    q, iq = qf.launch_fused(x, w, cos, sin, slots, norms, *caches, shape, cfg.rms_norm_eps, q_dtype=torch.float32)
+    q, _ = qf.launch_fused(x, qf.prepack_weight(w, shape), cos, sin, slots, norms, *caches, shape, cfg.rms_norm_eps,
+                            q_dtype=torch.float32)
     t, d = x.shape[0], cfg.head_dim
     y = x.float() @ w.float().t()
     sizes = [shape.num_q_heads * d, shape.num_kv_heads * d, shape.num_kv_heads * d, shape.num_index_heads * d, d]
-    qr, kr, vr, iqr, ikr = torch.split(y, sizes, -1)
+    qr, kr, vr, _, ikr = torch.split(y, sizes, -1)
     eps = cfg.rms_norm_eps
     qr = apply_rope(rms_norm(qr.view(t, -1, d), norms[0], eps), cos, sin)
     refs = {"k": apply_rope(rms_norm(kr.view(t, -1, d), norms[1], eps), cos, sin), "v": vr.reshape(t, -1, d),
@@ -120,72 +123,81 @@ def check_cubin(cubin_dir: Path, shape, x, w, cos, sin, slots, norms, caches, ep
     fresh = [quant.NVFP4Tensor(c.data.clone().fill_(0xFF), c.scale.clone(), None) for c in caches]
     q = torch.empty((t, shape.num_q_heads, shape.head_dim), dtype=torch.bfloat16, device=x.device)
     iq = torch.empty((t, shape.num_index_heads, shape.head_dim), dtype=torch.bfloat16, device=x.device)
-    args = qf.fused_args(x, w, cos, sin, slots, norms, *fresh, shape, eps, q, iq)
-    kern(((t + bm - 1) // bm, shape.num_heads), *args)
+    wp = qf.prepack_weight(w, shape)
+    args = (*qf.fused_args(x, wp, cos, sin, slots, norms, *fresh, shape, eps, q, iq), t, x.shape[1], eps)
+    grid = ((t + bm - 1) // bm * shape.num_heads,)
+    kern(grid, *args)
     jit_caches = [quant.NVFP4Tensor(c.data.clone().fill_(0xFF), c.scale.clone(), None) for c in caches]
-    qj, iqj = qf.launch_fused(x, w, cos, sin, slots, norms, *jit_caches, shape, eps,
+    qj, _ = qf.launch_fused(x, wp, cos, sin, slots, norms, *jit_caches, shape, eps,
                               tiles=tuple(meta["tiles"]))
     torch.cuda.synchronize()
     same = all(bool(torch.equal(a.data, b.data)) and bool(torch.equal(a.scale.view(torch.uint8),
                                                                          b.scale.view(torch.uint8)))
                for a, b in zip(fresh, jit_caches))
     return {"cubin_equals_jit_cache_bytes": same, "cubin_q_max_abs_diff": float((q.float() - qj.float()).abs().max()),
-            "cubin_timing_ms": bench(lambda: kern(((t + bm - 1) // bm, shape.num_heads), *args))}
+            "cubin_timing_ms": bench(lambda: kern(grid, *args))}
 
+
+def measure(cfg, t: int, copies: int, cubins: Path | None) -> dict:
+    """Check and time every variant at one token count."""
+    device = "cuda"
+    shape, x, ws, cos, sin, slots, norms, caches = make_inputs(cfg, t, copies, device)
+    eps = cfg.rms_norm_eps
+    k, n = x.shape[1], ws[0].shape[0]
+    flops = 2.0 * t * n * k
+    bytes_min = n * k * 2 + t * k * 2 + t * shape.num_q_heads * cfg.head_dim * 2 * 2  # W, x, q + iq-ish
+    floor_ms = max(flops / PEAK_BF16, bytes_min / READ_BW) * 1e3
+    row: dict = {"T": t, "N": n, "K": k, "flops": flops, "floor_ms": floor_ms}
+    row.update(check_bytes(cfg, shape, x, ws[0], cos, sin, slots, norms, caches))
+    it = iter(range(1 << 30))
+    packed = [qf.prepack_weight(w, shape) for w in ws]
+
+    def w_next() -> torch.Tensor:
+        return ws[next(it) % copies]
+
+    def wp_next() -> torch.Tensor:
+        return packed[next(it) % copies]
+
+    fused_tiles = PREFILL_TILES + (DECODE_TILES if t <= 64 else [])
+    for name, launch, wfn, cands in (("fused", qf.launch_fused, wp_next, fused_tiles),
+                                     ("unfused", qf.launch_unfused, w_next, PREFILL_TILES)):
+        times = {}
+        for tiles in cands:
+            try:
+                times[tiles] = bench(lambda tiles=tiles, launch=launch, wfn=wfn: launch(
+                    x, wfn(), cos, sin, slots, norms, *caches, shape, eps, tiles=tiles))
+            except Exception as e:  # a tile choice that does not fit shared memory
+                times[tiles] = float("inf")
+                row.setdefault("tile_errors", []).append(f"{name}{tiles}: {type(e).__name__}")
+        tiles = min(times, key=times.get)
+        row[f"{name}_ms"], row[f"{name}_tiles"] = times[tiles], list(tiles)
+    out = torch.empty((t, n), dtype=torch.bfloat16, device=device)
+    row["gemm_ours_ms"] = min(bench(lambda tl_=tl_: qf.launch_gemm(x, w_next(), out, shape, tl_))
+                              for tl_ in PREFILL_TILES)
+    row["gemm_cublas_ms"] = bench(lambda: torch.matmul(x, w_next().t()))
+    ref = RefQKV(shape, eps)
+    cargs = [a for c in caches for a in (c.data, c.scale)]
+    row["ref_eager_ms"] = bench(lambda: ref(x, w_next(), cos, sin, slots, *norms, *cargs))
+    compiled = torch.compile(ref, dynamic=False)
+    compiled(x, ws[0], cos, sin, slots, *norms, *cargs)
+    row["ref_compile_ms"] = bench(lambda: compiled(x, w_next(), cos, sin, slots, *norms, *cargs))
+    row["fused_tflops"] = flops / row["fused_ms"] / 1e9
+    row["speedup_vs_unfused"] = row["unfused_ms"] / row["fused_ms"]
+    row["speedup_vs_compile"] = row["ref_compile_ms"] / row["fused_ms"]
+    row["fused_over_gemm"] = row["fused_ms"] / row["gemm_ours_ms"]
+    row["fused_over_floor"] = row["fused_ms"] / floor_ms
+    if cubins is not None and t == 2048:
+        row.update(check_cubin(cubins, shape, x, ws[0], cos, sin, slots, norms, caches, eps))
+    return row
 
 def run(tokens: list[int], cubins: Path | None, copies: int = 4) -> list[dict]:
     """Time every variant at every token count; returns one row per token count."""
     cfg = get_preset("m3.1-small")
-    device = "cuda"
     rows = []
     for t in tokens:
-        shape, x, ws, cos, sin, slots, norms, caches = make_inputs(cfg, t, copies, device)
-        eps = cfg.rms_norm_eps
-        k, n = x.shape[1], ws[0].shape[0]
-        flops = 2.0 * t * n * k
-        bytes_min = n * k * 2 + t * k * 2 + t * shape.num_q_heads * cfg.head_dim * 2 * 2  # W, x, q + iq-ish
-        floor_ms = max(flops / PEAK_BF16, bytes_min / READ_BW) * 1e3
-        row: dict = {"T": t, "N": n, "K": k, "flops": flops, "floor_ms": floor_ms}
-        row.update(check_bytes(cfg, shape, x, ws[0], cos, sin, slots, norms, caches))
-        it = iter(range(1 << 30))
-
-        def w_next() -> torch.Tensor:
-            return ws[next(it) % copies]
-
-        best = {}
-        for name, launch in (("fused", qf.launch_fused), ("unfused", qf.launch_unfused)):
-            times = {}
-            for tiles in TILES:
-                try:
-                    times[tiles] = bench(lambda tiles=tiles, launch=launch: launch(
-                        x, w_next(), cos, sin, slots, norms, *caches, shape, eps, tiles=tiles))
-                except Exception as e:  # a tile choice that does not fit shared memory
-                    times[tiles] = float("inf")
-                    row.setdefault("tile_errors", []).append(f"{name}{tiles}: {type(e).__name__}")
-            tiles = min(times, key=times.get)
-            best[name] = tiles
-            row[f"{name}_ms"], row[f"{name}_tiles"] = times[tiles], list(tiles)
-        out = torch.empty((t, n), dtype=torch.bfloat16, device=device)
-        row["gemm_ours_ms"] = min(bench(lambda tl_=tl_: qf.launch_gemm(x, w_next(), out, shape, tl_))
-                                  for tl_ in TILES[:4])
-        row["gemm_cublas_ms"] = bench(lambda: torch.matmul(x, w_next().t()))
-        ref = RefQKV(shape, eps)
-        cargs = [a for c in caches for a in (c.data, c.scale)]
-        row["ref_eager_ms"] = bench(lambda: ref(x, w_next(), cos, sin, slots, *norms, *cargs))
-        compiled = torch.compile(ref, dynamic=False)
-        compiled(x, ws[0], cos, sin, slots, *norms, *cargs)
-        row["ref_compile_ms"] = bench(lambda: compiled(x, w_next(), cos, sin, slots, *norms, *cargs))
-        row["fused_tflops"] = flops / row["fused_ms"] / 1e9
-        row["speedup_vs_unfused"] = row["unfused_ms"] / row["fused_ms"]
-        row["speedup_vs_compile"] = row["ref_compile_ms"] / row["fused_ms"]
-        row["fused_over_gemm"] = row["fused_ms"] / row["gemm_ours_ms"]
-        row["fused_over_floor"] = row["fused_ms"] / floor_ms
-        if cubins is not None and t == 2048:
-            row.update(check_cubin(cubins, shape, x, ws[0], cos, sin, slots, norms, caches, eps))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(measure(cfg, t, copies, cubins))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
-
 
 def main() -> None:
     """Run, write JSON, print the table."""

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from m3c.backends.kernels import qkv_fused as qf
+from m3c.backends.kernels import qkv_fused_launch as qf
 from m3c.backends.triton_aot import compile_kernel
 from m3c.model_defs.presets import get_preset
 
@@ -22,7 +22,7 @@ def main() -> None:
     cfg = get_preset("m3.1-small")
     shape = qf.QKVShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.index_n_heads, cfg.head_dim,
                         cfg.rotary_dim)
-    tiles = (128, 64, 8, 3)
+    tiles = (128, 64, 8, 3, 1)
     ck = compile_kernel(qf.fused_spec(shape, tiles))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "qkv.cubin").write_bytes(ck.binary)

@@ -1,20 +1,19 @@
-"""Fused QKV GEMM + per-head RMSNorm + partial RoPE + NVFP4 paged KV-insert (one Triton launch).
+"""Fused QKV GEMM + per-head RMSNorm + partial RoPE + NVFP4 paged KV-insert: the Triton device code.
 
-One program computes a [BLOCK_M tokens × one head] tile of ``x @ W_qkv^T`` with the head split in
-three accumulators (first rotary half, second rotary half, the non-rotary rest), so RoPE pairs
-sit in matching registers. The epilogue then, by head kind:
-q / index-q: RMSNorm × weight, RoPE, store to the output; k / index-k: RMSNorm × weight, RoPE,
-NVFP4-quantize and store codes + E4M3 scales at the token's cache slot; v: quantize and store.
-The QKV tensor never reaches HBM.
+One program computes a [BLOCK_M tokens × one head] tile of ``x @ W_qkv^T`` (one tensor-core dot of
+width head_dim). The weight rows are prepacked so each RoPE pair (i, i + rotary_dim/2) sits in
+adjacent columns; the epilogue splits the accumulator into (first rotary half, second rotary
+half, non-rotary tail) with register reshapes, then by head kind: q / index-q: RMSNorm × weight,
+RoPE, store; k / index-k: RMSNorm × weight, RoPE, NVFP4-quantize, store codes + E4M3 scales at
+the token's cache slot; v: quantize and store. The QKV tensor never reaches HBM. Programs are
+ordered head-fastest so the heads of one token tile run together and share its activations in L2.
+A split-K variant serves decode (few tokens): partial sums go to a small workspace and the last
+program of each head (an atomic counter) reduces them in a fixed order and runs the epilogue.
+Host-side launchers and prepacking live in :mod:`m3c.backends.kernels.qkv_fused_launch`.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any
-
-import torch
 import triton
 import triton.language as tl
 
@@ -77,34 +76,37 @@ def _rms_rope(a1, a2, a3, w_ptr, c, s, eps, HALF: tl.constexpr, REST: tl.constex
 
 
 @triton.jit
-def _gemm_head(x_ptr, w_ptr, rows_c, h, K, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
-               R3: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """Accumulators (rotary half 1, rotary half 2, rest) of x[rows] @ W[head h]^T in float32."""
-    w_row0 = h * HEAD_DIM
-    r1 = w_row0 + tl.arange(0, HALF)
-    r2 = w_row0 + HALF + tl.arange(0, HALF)
-    r3 = w_row0 + 2 * HALF + tl.arange(0, R3)
-    a1 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    a2 = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    a3 = tl.zeros([BLOCK_M, R3], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+def _gemm_tile(x_ptr, w_ptr, rows_c, n0, k_lo, k_hi, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """float32 x[rows, k_lo:k_hi] @ W[n0:n0+BLOCK_N, k_lo:k_hi]^T."""
+    rn = n0 + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < K
-        x = tl.load(x_ptr + rows_c[:, None] * K + ks[None, :], mask=kmask[None, :], other=0.0)
-        w1 = tl.load(w_ptr + r1[:, None] * K + ks[None, :], mask=kmask[None, :], other=0.0)
-        w2 = tl.load(w_ptr + r2[:, None] * K + ks[None, :], mask=kmask[None, :], other=0.0)
+        kmask = ks < k_hi
+        x = tl.load(x_ptr + rows_c[:, None].to(tl.int64) * K + ks[None, :], mask=kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + ks[None, :], mask=kmask[None, :], other=0.0)
         if UPCAST:  # Triton's CPU interpreter mis-multiplies bf16 dots; f32 gives the same exact products
             x = x.to(tl.float32)
-            w1 = w1.to(tl.float32)
-            w2 = w2.to(tl.float32)
-        a1 = tl.dot(x, tl.trans(w1), a1)
-        a2 = tl.dot(x, tl.trans(w2), a2)
-        if REST > 0:
-            w3 = tl.load(w_ptr + r3[:, None] * K + ks[None, :], mask=kmask[None, :], other=0.0)
-            if UPCAST:
-                w3 = w3.to(tl.float32)
-            a3 = tl.dot(x, tl.trans(w3), a3)
-    return a1, a2, a3
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _split_head(acc, BLOCK_M: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr):
+    """(rotary half 1, rotary half 2, tail) of a prepacked head accumulator [BLOCK_M, 2*HALF + REST].
+
+    Prepacked column order: r0, r_HALF, r1, r_HALF+1, ... (pairs), then the tail (REST == 2*HALF or 0).
+    """
+    if REST > 0:
+        both = tl.permute(tl.reshape(acc, [BLOCK_M, 2, 2 * HALF]), (0, 2, 1))
+        rot, tail = tl.split(both)
+    else:
+        rot = acc
+        tail = acc
+    a1, a2 = tl.split(tl.reshape(rot, [BLOCK_M, HALF, 2]))
+    return a1, a2, tail
 
 
 @triton.jit
@@ -171,30 +173,82 @@ def qkv_norm_rope_kvinsert_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """The fused op: one [BLOCK_M × head] tile of the projection and its epilogue; heads q, k, v, index-q, index-k."""
-    R3: tl.constexpr = REST if REST > 0 else 16
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """The fused op for prefill: program = (token tile, head), head fastest; W prepacked (see _split_head)."""
+    R3: tl.constexpr = REST if REST > 0 else 2 * HALF
+    NH: tl.constexpr = HQ + 2 * HKV + ((G + 1) if HAS_INDEX else 0)
+    pid = tl.program_id(0)
+    h = pid % NH
+    rows = (pid // NH) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < T
     rows_c = tl.where(mask_m, rows, 0)
-    h = tl.program_id(1)
-    a1, a2, a3 = _gemm_head(x_ptr, w_ptr, rows_c, h, K, HEAD_DIM, HALF, REST, R3, BLOCK_M, BLOCK_K, UPCAST)
+    acc = _gemm_tile(x_ptr, w_ptr, rows_c, h * HEAD_DIM, 0, K, K, BLOCK_M, HEAD_DIM, BLOCK_K, UPCAST)
+    a1, a2, a3 = _split_head(acc, BLOCK_M, HALF, REST)
     _head_epilogue(a1, a2, a3, h, rows_c, mask_m, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr,
                    q_out_ptr, iq_out_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, ikd_ptr, iks_ptr, eps,
                    HQ, HKV, G, HAS_INDEX, HEAD_DIM, HALF, REST, R3, BLOCK_M)
 
 
 @triton.jit
-def qkv_gemm_kernel(x_ptr, w_ptr, out_ptr, T, K, N,
-                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    """The same projection without the epilogue: x @ W^T stored to out [T, N] (baseline and unfused path)."""
-    R3: tl.constexpr = REST if REST > 0 else 16
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+def qkv_norm_rope_kvinsert_splitk_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr,
+    qn_ptr, kn_ptr, iqn_ptr, ikn_ptr,
+    q_out_ptr, iq_out_ptr,
+    kd_ptr, ks_ptr, vd_ptr, vs_ptr, ikd_ptr, iks_ptr,
+    ws_ptr, cnt_ptr,
+    T, K, eps,
+    HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, HAS_INDEX: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The fused op for decode: program = (token tile, head, K slice); the last slice to finish reduces.
+
+    ws is float32 [SPLIT, m_tiles * NH, BLOCK_M, HEAD_DIM]; cnt is int32 [m_tiles * NH], zero on entry
+    and left zero on exit (so the launch can be replayed in a CUDA graph).
+    """
+    R3: tl.constexpr = REST if REST > 0 else 2 * HALF
+    NH: tl.constexpr = HQ + 2 * HKV + ((G + 1) if HAS_INDEX else 0)
+    pid = tl.program_id(0)
+    sp = pid % SPLIT
+    tile = pid // SPLIT
+    h = tile % NH
+    rows = (tile // NH) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < T
     rows_c = tl.where(mask_m, rows, 0)
-    h = tl.program_id(1)
-    a1, a2, a3 = _gemm_head(x_ptr, w_ptr, rows_c, h, K, HEAD_DIM, HALF, REST, R3, BLOCK_M, BLOCK_K, UPCAST)
-    _store_rows(out_ptr, rows_c.to(tl.int64) * N + h * HEAD_DIM, a1, a2, a3, mask_m, HALF, REST, R3)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    k_lo = sp * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
+    acc = _gemm_tile(x_ptr, w_ptr, rows_c, h * HEAD_DIM, k_lo, k_hi, K, BLOCK_M, HEAD_DIM, BLOCK_K, UPCAST)
+    n_tiles = tl.num_programs(0) // SPLIT
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, HEAD_DIM)
+    tile_off = r[:, None] * HEAD_DIM + c[None, :]
+    tl.store(ws_ptr + (sp * n_tiles + tile).to(tl.int64) * (BLOCK_M * HEAD_DIM) + tile_off, acc)
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    if done == SPLIT - 1:
+        total = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for i in range(SPLIT):  # fixed order: the result does not depend on which slice finished last
+            total += tl.load(ws_ptr + (i * n_tiles + tile).to(tl.int64) * (BLOCK_M * HEAD_DIM) + tile_off,
+                             cache_modifier=".cg")
+        tl.store(cnt_ptr + tile, 0)
+        a1, a2, a3 = _split_head(total, BLOCK_M, HALF, REST)
+        _head_epilogue(a1, a2, a3, h, rows_c, mask_m, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, iqn_ptr,
+                       ikn_ptr, q_out_ptr, iq_out_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, ikd_ptr, iks_ptr, eps,
+                       HQ, HKV, G, HAS_INDEX, HEAD_DIM, HALF, REST, R3, BLOCK_M)
+
+
+@triton.jit
+def qkv_gemm_kernel(x_ptr, w_ptr, out_ptr, T, K, N, NH: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """The projection alone, same tiling and order, natural column order: out [T, N] (baseline / unfused)."""
+    pid = tl.program_id(0)
+    h = pid % NH
+    rows = (pid // NH) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < T
+    rows_c = tl.where(mask_m, rows, 0)
+    acc = _gemm_tile(x_ptr, w_ptr, rows_c, h * HEAD_DIM, 0, K, K, BLOCK_M, HEAD_DIM, BLOCK_K, UPCAST)
+    cols = h * HEAD_DIM + tl.arange(0, HEAD_DIM)
+    tl.store(out_ptr + rows_c[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None])
 
 
 @triton.jit
@@ -207,8 +261,8 @@ def norm_rope_kvinsert_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, HAS_INDEX: tl.constexpr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """The unfused epilogue as its own kernel: reads the projection from HBM, then the same per-head work."""
-    R3: tl.constexpr = REST if REST > 0 else 16
+    """The unfused epilogue as its own kernel: reads the projection (natural order) back from HBM."""
+    R3: tl.constexpr = REST if REST > 0 else 2 * HALF
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rows < T
     rows_c = tl.where(mask_m, rows, 0)
@@ -221,152 +275,3 @@ def norm_rope_kvinsert_kernel(
     _head_epilogue(a1, a2, a3, h, rows_c, mask_m, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr,
                    q_out_ptr, iq_out_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, ikd_ptr, iks_ptr, eps,
                    HQ, HKV, G, HAS_INDEX, HEAD_DIM, HALF, REST, R3, BLOCK_M)
-
-
-@dataclass(frozen=True)
-class QKVShape:
-    """The head layout of the concatenated projection (rows: q heads, k, v, index-q heads, index-k)."""
-
-    num_q_heads: int
-    num_kv_heads: int
-    num_index_heads: int  # 0 on dense layers (no index projections)
-    head_dim: int
-    rotary_dim: int
-
-    @property
-    def half(self) -> int:
-        """Width of one rotary half."""
-        return self.rotary_dim // 2
-
-    @property
-    def rest(self) -> int:
-        """Non-rotary tail width."""
-        return self.head_dim - self.rotary_dim
-
-    @property
-    def num_heads(self) -> int:
-        """Head tiles in the projection (the index key counts as one)."""
-        index = self.num_index_heads + 1 if self.num_index_heads else 0
-        return self.num_q_heads + 2 * self.num_kv_heads + index
-
-    def supported(self) -> str | None:
-        """Why the kernel cannot take this layout, or None when it can."""
-        if self.half % 16 or (self.rest and self.rest % 16):
-            return f"rotary halves ({self.half}) and the tail ({self.rest}) must be multiples of 16 (NVFP4 blocks)"
-        for name, v in (("rotary half", self.half), ("tail", self.rest)):
-            if v and v & (v - 1):
-                return f"the {name} width {v} must be a power of two (Triton block shapes)"
-        return None
-
-    def constexprs(self, block_m: int, block_k: int) -> dict[str, Any]:
-        """The fused kernel's compile-time constants."""
-        return dict(HQ=self.num_q_heads, HKV=self.num_kv_heads, G=self.num_index_heads,
-                    HAS_INDEX=self.num_index_heads > 0, HEAD_DIM=self.head_dim, HALF=self.half, REST=self.rest,
-                    BLOCK_M=block_m, BLOCK_K=block_k, UPCAST=interpreting())
-
-
-def interpreting() -> bool:
-    """Whether Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def pick_tiles(num_tokens: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_warps, num_stages) for a token count: small M tiles for decode."""
-    if interpreting():
-        return 16, 32, 4, 1
-    if num_tokens <= 64:
-        return 64, 128, 4, 4
-    if num_tokens <= 1024:
-        return 64, 64, 4, 4
-    return 128, 64, 8, 3
-
-
-def launch_fused(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-                 norms: tuple[torch.Tensor, ...], k_cache: Any, v_cache: Any, ik_cache: Any, shape: QKVShape,
-                 eps: float, q_dtype: torch.dtype | None = None,
-                 tiles: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run the fused kernel through Triton's launcher; caches are NVFP4Tensor-like (data, scale) views.
-
-    `norms` = (q_norm, k_norm, index_q_norm, index_k_norm) (the last two unused on dense layers).
-    Returns q [T, HQ, D] and index-q [T, G, D] (None on dense layers).
-    """
-    t, k = x.shape
-    bm, bk, warps, stages = tiles or pick_tiles(t)
-    q_dtype = q_dtype or x.dtype
-    q = torch.empty((t, shape.num_q_heads, shape.head_dim), dtype=q_dtype, device=x.device)
-    has_index = shape.num_index_heads > 0
-    iq = torch.empty((t, max(shape.num_index_heads, 1), shape.head_dim), dtype=q_dtype, device=x.device)
-    ik = ik_cache if has_index else k_cache
-    qn, kn, iqn, ikn = norms if has_index else (norms[0], norms[1], norms[0], norms[1])
-    grid = (triton.cdiv(t, bm), shape.num_heads)
-    qkv_norm_rope_kvinsert_kernel[grid](
-        x, w, cos, sin, slot_mapping, qn, kn, iqn, ikn, q, iq,
-        k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, ik.data, ik.scale,
-        t, k, eps, **shape.constexprs(bm, bk), num_warps=warps, num_stages=stages, enable_fp_fusion=False,
-    )
-    return q, (iq if has_index else None)
-
-
-def launch_unfused(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   slot_mapping: torch.Tensor, norms: tuple[torch.Tensor, ...], k_cache: Any, v_cache: Any,
-                   ik_cache: Any, shape: QKVShape, eps: float, q_dtype: torch.dtype | None = None,
-                   tiles: tuple[int, int, int, int] | None = None,
-                   qkv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The same work as two launches (our GEMM, then the norm/RoPE/quantize/insert kernel): the baseline."""
-    t = x.shape[0]
-    bm, bk, warps, stages = tiles or pick_tiles(t)
-    n = shape.num_heads * shape.head_dim
-    qkv = torch.empty((t, n), dtype=qkv_dtype or x.dtype, device=x.device)
-    launch_gemm(x, w, qkv, shape, (bm, bk, warps, stages))
-    q_dtype = q_dtype or x.dtype
-    q = torch.empty((t, shape.num_q_heads, shape.head_dim), dtype=q_dtype, device=x.device)
-    has_index = shape.num_index_heads > 0
-    iq = torch.empty((t, max(shape.num_index_heads, 1), shape.head_dim), dtype=q_dtype, device=x.device)
-    ik = ik_cache if has_index else k_cache
-    qn, kn, iqn, ikn = norms if has_index else (norms[0], norms[1], norms[0], norms[1])
-    c = shape.constexprs(bm, bk)
-    for key in ("BLOCK_K", "UPCAST"):
-        c.pop(key)
-    norm_rope_kvinsert_kernel[(triton.cdiv(t, bm), shape.num_heads)](
-        qkv, cos, sin, slot_mapping, qn, kn, iqn, ikn, q, iq,
-        k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, ik.data, ik.scale,
-        t, n, eps, **c, num_warps=4, enable_fp_fusion=False,
-    )
-    return q, (iq if has_index else None)
-
-
-def launch_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, shape: QKVShape,
-                tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """The projection alone with the fused kernel's tiling (x @ W^T into out [T, N])."""
-    t, k = x.shape
-    bm, bk, warps, stages = tiles or pick_tiles(t)
-    qkv_gemm_kernel[(triton.cdiv(t, bm), shape.num_heads)](
-        x, w, out, t, k, out.shape[1], HEAD_DIM=shape.head_dim, HALF=shape.half, REST=shape.rest,
-        BLOCK_M=bm, BLOCK_K=bk, UPCAST=interpreting(), num_warps=warps, num_stages=stages,
-    )
-    return out
-
-
-def fused_spec(shape: QKVShape, tiles: tuple[int, int, int, int], act: str = "bf16", q_out: str = "bf16"):
-    """The AOT KernelSpec of the fused kernel for one layout, tile choice and dtypes (Triton type names)."""
-    from m3c.backends.triton_aot import KernelSpec
-
-    bm, bk, warps, stages = tiles
-    ptr = {"x_ptr": act, "w_ptr": act, "cos_ptr": "fp32", "sin_ptr": "fp32", "slot_ptr": "i64",
-           "qn_ptr": "bf16", "kn_ptr": "bf16", "iqn_ptr": "bf16", "ikn_ptr": "bf16", "q_out_ptr": q_out,
-           "iq_out_ptr": q_out, "kd_ptr": "u8", "ks_ptr": "fp8e4nv", "vd_ptr": "u8", "vs_ptr": "fp8e4nv",
-           "ikd_ptr": "u8", "iks_ptr": "fp8e4nv"}
-    types = {k: "*" + v for k, v in ptr.items()} | {"T": "i32", "K": "i32", "eps": "fp32"}
-    consts = shape.constexprs(bm, bk) | {"UPCAST": False}
-    return KernelSpec("qkv_norm_rope_kvinsert", qkv_norm_rope_kvinsert_kernel, types, consts, warps, stages,
-                      divisible_16=(*ptr, "K"))
-
-
-def fused_args(x, w, cos, sin, slot_mapping, norms, k_cache, v_cache, ik_cache, shape: QKVShape, eps: float,
-               q: torch.Tensor, iq: torch.Tensor) -> tuple:
-    """Runtime arguments of the fused kernel in signature order (for the cubin launcher)."""
-    has_index = shape.num_index_heads > 0
-    ik = ik_cache if has_index else k_cache
-    qn, kn, iqn, ikn = norms if has_index else (norms[0], norms[1], norms[0], norms[1])
-    return (x, w, cos, sin, slot_mapping, qn, kn, iqn, ikn, q, iq, k_cache.data, k_cache.scale, v_cache.data,
-            v_cache.scale, ik.data, ik.scale, x.shape[0], x.shape[1], eps)
