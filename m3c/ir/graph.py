@@ -88,27 +88,27 @@ class Graph:
         """A node with fresh output values (not yet placed in the node list)."""
         node = Node(op, list(inputs), dict(attrs or {}), [], scope)
         for i, t in enumerate(out_types):
-            name = self.fresh_name(names[i] if names else "")
+            name = self.fresh_name(names[min(i, len(names) - 1)] if names else "")  # extra outputs: numbered
             node.outputs.append(Value(name, t, "result", node, i))
         return node
 
     def new_node(self, op: str, inputs: Iterable[Value | None], attrs: dict[str, Any] | None = None,
                  names: list[str] | None = None, scope: str = "") -> Node:
         """A node whose output types the op registry infers (not yet placed in the node list)."""
-        from m3c.ir.registry import get_op
+        from m3c.ir.registry import get_op, infer_types
 
         opdef = get_op(op)
         inputs = list(inputs)
-        opdef.check_arity(len(inputs))
+        opdef.check_operands(inputs)
         full = opdef.full_attrs(dict(attrs or {}))
-        out_types = opdef.infer([None if v is None else v.type for v in inputs], full)
+        out_types = infer_types(opdef, [None if v is None else v.type for v in inputs], full)
         stored = {k: v for k, v in full.items() if k in (attrs or {}) or v != opdef.attrs[k]}
         return self.make_node(op, inputs, stored, out_types, names, scope)
 
     def add(self, op: str, inputs: Iterable[Value | None], attrs: dict[str, Any] | None = None,
             names: list[str] | None = None, scope: str = "") -> list[Value]:
-        """Append a type-inferred node; returns its outputs."""
-        return self.append(self.new_node(op, inputs, attrs, names, scope)).outputs
+        """Append a type-inferred node; returns its outputs (a new list: the node keeps its own)."""
+        return list(self.append(self.new_node(op, inputs, attrs, names, scope)).outputs)
 
     def append(self, node: Node) -> Node:
         """Place a node at the end of the program."""

@@ -15,7 +15,8 @@ import torch
 from m3c.errors import ShapeError
 from m3c.ir.graph import Graph, Value
 from m3c.ir.registry import get_op
-from m3c.ir.types import Dim, TensorType, eval_dim, parse_dim
+from m3c.ir.types import Dim, DType, TensorType, eval_dim, parse_dim
+from m3c.model_defs import quant
 
 
 def runtime_shape(value: Any) -> tuple[int, ...]:
@@ -43,6 +44,7 @@ def bind_symbols(graph: Graph, inputs: Mapping[str, Any]) -> dict[str, int]:
                     raise ShapeError(f"input %{v.name}: dim {i} is {d}={actual}, but {d}={prev} elsewhere")
             else:
                 pending.append((v, i, d, actual))
+    _solve_pending(pending, bindings)
     for v, i, d, actual in pending:
         try:
             want = eval_dim(d, bindings)
@@ -51,6 +53,27 @@ def bind_symbols(graph: Graph, inputs: Mapping[str, Any]) -> dict[str, int]:
         if want != actual:
             raise ShapeError(f"input %{v.name}: dim {i} must be {d}={want}, got {actual}")
     return bindings
+
+
+def _solve_pending(pending: list[tuple[Value, int, Dim, int]], bindings: dict[str, int]) -> None:
+    """Bind symbols that appear only inside expressions (an input of shape [4*T]) by solving for them."""
+    progress = True
+    while progress:
+        progress = False
+        for v, i, d, actual in pending:
+            free = [s for s in sympy.sympify(d).free_symbols if s.name not in bindings]
+            if len(free) != 1:
+                continue
+            known = sympy.sympify(d).subs({s: bindings[s.name] for s in d.free_symbols if s.name in bindings})
+            try:
+                roots = [r for r in sympy.solve(sympy.Eq(known, actual), free[0]) if r.is_Integer and r > 0]
+            except NotImplementedError:
+                continue
+            if len(roots) != 1:
+                raise ShapeError(f"input %{v.name}: dim {i} is {d}, which no positive integer "
+                                 f"{free[0]} makes {actual}")
+            bindings[free[0].name] = int(roots[0])
+            progress = True
 
 
 def _bind_attr(value: Any, bindings: dict[str, int]) -> Any:
@@ -70,7 +93,7 @@ def interpret(graph: Graph, inputs: Mapping[str, Any], check_types: bool = False
     env: dict[Value, Any] = {v: inputs[v.name] for v in graph.inputs}
     for node in graph.nodes:
         op = get_op(node.op)
-        attrs = dict(node.attrs)
+        attrs = op.full_attrs(node.attrs)  # nodes store only non-default attributes
         for name in op.dim_attrs:
             attrs[name] = _bind_attr(attrs[name], bindings)
         args = [None if v is None else env[v] for v in node.inputs]
@@ -93,5 +116,10 @@ def _check(v: Value, value: Any, bindings: dict[str, int]) -> None:
     want = tuple(eval_dim(d, bindings) if not isinstance(d, int) else d for d in t.shape)
     if shape != want:
         raise ShapeError(f"%{v.name}: IR type {t} (= {list(want)}) but the reference produced {list(shape)}")
-    if isinstance(value, torch.Tensor) and not t.dtype.is_quantized and value.dtype != t.dtype.to_torch():
-        raise ShapeError(f"%{v.name}: IR type {t} but the reference produced {value.dtype}")
+    if t.dtype.is_quantized:
+        want_cls = quant.NVFP4Tensor if t.dtype == DType.nvfp4 else quant.MXFP8Tensor
+        if not isinstance(value, want_cls):
+            raise ShapeError(f"%{v.name}: IR type {t} but the reference produced a {type(value).__name__}")
+    elif not isinstance(value, torch.Tensor) or value.dtype != t.dtype.to_torch():
+        got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ShapeError(f"%{v.name}: IR type {t} but the reference produced {got}")

@@ -63,12 +63,23 @@ class OpDef:
 
     def check_arity(self, n: int) -> None:
         """Raise IRTypeError if `n` operands cannot match the declaration."""
-        required = sum(1 for o in self.operands if not o.endswith("?") and not o.startswith("*"))
+        # Optional operands before a required one are passed as None, so only a trailing run may be left out.
+        required = max((i + 1 for i, o in enumerate(self.operands) if not o.endswith("?") and not o.startswith("*")),
+                       default=0)
         if self.variadic:
             if n < required:
                 raise IRTypeError(f"{self.name}: expects at least {required} operands, got {n}")
         elif not required <= n <= len(self.operands):
             raise IRTypeError(f"{self.name}: expects {required}..{len(self.operands)} operands, got {n}")
+
+    def check_operands(self, inputs: Sequence[object | None]) -> None:
+        """Raise IRTypeError on a wrong operand count or an absent (None) operand that is not optional."""
+        self.check_arity(len(inputs))
+        decl = list(self.operands[:-1]) + [self.operands[-1]] * max(0, len(inputs) - len(self.operands) + 1) \
+            if self.variadic else list(self.operands)
+        for i, (v, d) in enumerate(zip(inputs, decl)):
+            if v is None and not d.endswith("?"):
+                raise IRTypeError(f"{self.name}: operand {i} ({d.strip('*')}) is required but absent")
 
     def full_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
         """Attributes with defaults filled in; unknown or missing ones raise IRTypeError."""
@@ -81,6 +92,20 @@ class OpDef:
         if missing:
             raise IRTypeError(f"{self.name}: missing attribute {missing[0]!r}")
         return out
+
+
+def infer_types(op: OpDef, types: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
+    """Run `op`'s type inference; any failure becomes an IRTypeError that names the op."""
+    try:
+        return op.infer(types, attrs)
+    except IRTypeError as e:
+        msg = str(e)
+        named = msg.split(" ", 1)[0].rstrip(":") == op.name  # the message already starts with the op's name
+        raise IRTypeError(msg if named else f"{op.name}: {msg}") from None
+    except (IndexError, KeyError, ValueError, TypeError, AttributeError, ZeroDivisionError) as e:
+        shown = ", ".join("_" if t is None else str(t) for t in types)
+        raise IRTypeError(f"{op.name}: cannot infer output types of ({shown}) with {attrs}: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 class _Required:

@@ -91,14 +91,23 @@ def parse_dim(text: str) -> Dim:
     text = text.strip()
     if text.lstrip("-").isdigit():
         return int(text)
-    expr = sympy.sympify(text, locals={n: sym(n) for n in _symbol_names(text)})
+    try:
+        expr = sympy.sympify(text, locals={**_DIM_FUNCTIONS, **{n: sym(n) for n in _symbol_names(text)}})
+    except (sympy.SympifyError, SyntaxError, TypeError) as e:
+        raise ValueError(f"bad dimension {text!r}: {e}") from None
+    if not isinstance(expr, sympy.Expr):
+        raise ValueError(f"bad dimension {text!r}")
     return int(expr) if expr.is_Integer else expr
+
+
+_DIM_FUNCTIONS = {"floor": sympy.floor, "ceiling": sympy.ceiling, "Max": sympy.Max, "Min": sympy.Min,
+                  "Mod": sympy.Mod}
 
 
 def _symbol_names(text: str) -> set[str]:
     import re
 
-    return {m for m in re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)}
+    return {m for m in re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text)} - set(_DIM_FUNCTIONS)
 
 
 def dim_str(d: Dim) -> str:
@@ -110,9 +119,11 @@ def eval_dim(d: Dim, bindings: dict[str, int]) -> int:
     """A dimension's value once its symbols are bound."""
     if isinstance(d, int):
         return d
-    value = d.subs({sym(k): v for k, v in bindings.items()})
-    if not value.is_Integer:
+    value = sympy.sympify(d).subs({sym(k): v for k, v in bindings.items()})
+    if value.free_symbols:
         raise KeyError(f"dimension {d} has unbound symbols {sorted(map(str, value.free_symbols))}")
+    if not value.is_Integer:
+        raise KeyError(f"dimension {d} is {value}, not an integer, at {bindings}")
     return int(value)
 
 

@@ -14,7 +14,17 @@ import sympy
 import torch
 import torch.nn.functional as F
 
-from m3c.ir.ops.infer import attr_dims, broadcast, dims_equal, norm_dim, promote, require, same_as
+from m3c.ir.ops.infer import (
+    attr_dims,
+    broadcast,
+    dims_equal,
+    norm_dim,
+    promote,
+    require,
+    require_int,
+    require_rank,
+    same_as,
+)
 from m3c.ir.registry import REQUIRED, IRTypeError, defop
 from m3c.ir.types import Dim, DType, TensorType
 
@@ -22,21 +32,33 @@ Types = Sequence[TensorType | None]
 
 
 # ---- elementwise -----------------------------------------------------------------------------
-def _binary_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
+def _binary_dtype(types: Types, attrs: dict[str, Any]) -> DType:
+    """torch's result dtype: a 0-d float operand does not widen a ranked float one; scalars keep a float dtype."""
     a = require(types[0], "a")
     b = types[1] if len(types) > 1 else None
     if b is None:
         if attrs.get("scalar") is None:
             raise IRTypeError("binary op needs a second operand or a scalar attribute")
-        dtype = a.dtype
-        if not a.dtype.is_float and isinstance(attrs["scalar"], float):
-            dtype = DType.f32
-        return [TensorType(dtype, a.shape)]
-    return [TensorType(promote(a.dtype, b.dtype), broadcast(a.shape, b.shape))]
+        return DType.f32 if not a.dtype.is_float and isinstance(attrs["scalar"], float) else a.dtype
+    if a.dtype.is_float and b.dtype.is_float and (a.rank == 0) != (b.rank == 0):
+        return a.dtype if b.rank == 0 else b.dtype
+    return promote(a.dtype, b.dtype)
+
+
+def _binary_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
+    a, b = require(types[0], "a"), (types[1] if len(types) > 1 else None)
+    shape = a.shape if b is None else broadcast(a.shape, b.shape)
+    return [TensorType(_binary_dtype(types, attrs), shape)]
+
+
+def _div_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
+    """True division: integer operands give float32, as in torch."""
+    (t,) = _binary_infer(types, attrs)
+    return [t if t.dtype.is_float else TensorType(DType.f32, t.shape)]
 
 
 def _binary(name: str, fn: Any) -> None:
-    @defop(name, ("a", "b?"), {"scalar": None}, infer=_binary_infer)
+    @defop(name, ("a", "b?"), {"scalar": None}, infer=_div_infer if name == "div" else _binary_infer)
     def ref(a: torch.Tensor, b: torch.Tensor | None = None, *, scalar: float | None = None) -> torch.Tensor:
         return fn(a, b if b is not None else scalar)
 
@@ -83,8 +105,11 @@ def arange(*, start: float, end: float, step: float, dtype: str) -> torch.Tensor
 # ---- linear algebra and norms ------------------------------------------------------------------
 def _linear_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
     x, w = require(types[0], "x"), require(types[1], "w")
-    if w.rank != 2 or not dims_equal(x.shape[-1], w.shape[1]):
+    if x.rank < 1 or w.rank != 2 or not dims_equal(x.shape[-1], w.shape[1]):
         raise IRTypeError(f"linear: x {x} does not match weight {w} ([out, in])")
+    b = types[2] if len(types) > 2 else None
+    if b is not None and (b.rank != 1 or not dims_equal(b.shape[0], w.shape[0])):
+        raise IRTypeError(f"linear: bias {b} does not match weight {w} ([out])")
     return [TensorType(x.dtype, (*x.shape[:-1], w.shape[0]))]
 
 
@@ -108,15 +133,28 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)
 
 
-@defop("rms_norm", ("x", "w?"), {"eps": REQUIRED}, infer=same_as(0))
+def _rms_norm_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
+    x = require(types[0], "x")
+    w = types[1] if len(types) > 1 else None
+    if x.rank < 1:
+        raise IRTypeError(f"rms_norm: x must have rank >= 1, got {x}")
+    if w is not None and (w.rank != 1 or not dims_equal(w.shape[0], x.shape[-1])):
+        raise IRTypeError(f"rms_norm: weight {w} does not match the last dim of {x}")
+    return [x]
+
+
+@defop("rms_norm", ("x", "w?"), {"eps": REQUIRED}, infer=_rms_norm_infer)
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, times w if given."""
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-@defop("embedding", ("weight", "ids"),
-       infer=lambda t, a: [TensorType(require(t[0], "weight").dtype,
-                                      (*require(t[1], "ids").shape, require(t[0], "weight").shape[1]))])
+def _embedding_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
+    w, ids = require_rank(types[0], "embedding weight", 2), require_int(types[1], "embedding ids")
+    return [TensorType(w.dtype, (*ids.shape, w.shape[1]))]
+
+
+@defop("embedding", ("weight", "ids"), infer=_embedding_infer)
 def embedding(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows of weight selected by ids."""
     return F.embedding(ids, weight)
@@ -168,10 +206,15 @@ def split(x: torch.Tensor, *, sizes: list[int], dim: int) -> tuple[torch.Tensor,
 
 def _cat_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
     xs = [require(t, "x") for t in types]
+    if not xs:
+        raise IRTypeError("cat needs at least one operand")
     d = norm_dim(attrs["dim"], xs[0].rank)
     total: Dim = 0
     dtype = xs[0].dtype
     for t in xs:
+        if t.rank != xs[0].rank or any(not dims_equal(a, b) for i, (a, b) in enumerate(zip(t.shape, xs[0].shape))
+                                       if i != d):
+            raise IRTypeError(f"cat along dim {d}: {t} does not match {xs[0]}")
         total = total + t.shape[d]
         dtype = promote(dtype, t.dtype)
     shape = list(xs[0].shape)
@@ -194,6 +237,8 @@ def _view_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
             if s != -1:
                 known = known * s
         q = sympy.simplify(sympy.sympify(x.numel()) / known)
+        if q.is_integer is False:
+            raise IRTypeError(f"view of {x} as {list(attrs['shape'])}: {x.numel()} elements do not divide by {known}")
         shape[shape.index(-1)] = int(q) if q.is_Integer else q
     if not dims_equal(TensorType(x.dtype, tuple(shape)).numel(), x.numel()):
         raise IRTypeError(f"view of {x} as {shape} changes the element count")
@@ -208,7 +253,7 @@ def view(x: torch.Tensor, *, shape: list[int]) -> torch.Tensor:
 
 def _unsqueeze_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
     x = require(types[0], "x")
-    d = attrs["dim"] % (x.rank + 1)
+    d = norm_dim(attrs["dim"], x.rank + 1)
     shape = list(x.shape)
     shape.insert(d, 1)
     return [TensorType(x.dtype, tuple(shape))]
@@ -220,8 +265,15 @@ def unsqueeze(x: torch.Tensor, *, dim: int) -> torch.Tensor:
     return x.unsqueeze(dim)
 
 
-@defop("gather", ("x", "index"), {"dim": REQUIRED},
-       infer=lambda t, a: [TensorType(require(t[0], "x").dtype, require(t[1], "index").shape)])
+def _gather_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
+    x, index = require(types[0], "x"), require_int(types[1], "gather index")
+    norm_dim(attrs["dim"], x.rank)
+    if index.rank != x.rank:
+        raise IRTypeError(f"gather: index {index} must have the rank of {x}")
+    return [TensorType(x.dtype, index.shape)]
+
+
+@defop("gather", ("x", "index"), {"dim": REQUIRED}, infer=_gather_infer)
 def gather(x: torch.Tensor, index: torch.Tensor, *, dim: int) -> torch.Tensor:
     """x values at index along dim."""
     return torch.gather(x, dim, index)

@@ -32,7 +32,16 @@ def dims_equal(a: Dim, b: Dim) -> bool:
     """Whether two (possibly symbolic) dimensions are provably equal."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
+    if a == b:
+        return True
     return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0
+
+
+def types_equal(a: TensorType, b: TensorType) -> bool:
+    """Whether two types have one dtype and provably equal dims."""
+    if a == b:
+        return True
+    return a.dtype == b.dtype and a.rank == b.rank and all(dims_equal(x, y) for x, y in zip(a.shape, b.shape))
 
 
 def broadcast(a: Sequence[Dim], b: Sequence[Dim]) -> tuple[Dim, ...]:
@@ -83,3 +92,27 @@ def require(t: TensorType | None, what: str) -> TensorType:
     if t is None:
         raise IRTypeError(f"missing operand {what}")
     return t
+
+
+def require_rank(t: TensorType | None, what: str, rank: int | tuple[int, ...]) -> TensorType:
+    """The operand's type; raise IRTypeError if it is absent or its rank is not `rank` (or one of them)."""
+    t = require(t, what)
+    ranks = (rank,) if isinstance(rank, int) else rank
+    if t.rank not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise IRTypeError(f"{what} must have rank {want}, got {t}")
+    return t
+
+
+def require_int(t: TensorType | None, what: str) -> TensorType:
+    """The operand's type; raise IRTypeError if it is absent or not an integer dtype."""
+    t = require(t, what)
+    if t.dtype.is_float or t.dtype == DType.bool:
+        raise IRTypeError(f"{what} must have an integer dtype, got {t}")
+    return t
+
+
+def require_dims_equal(a: Dim, b: Dim, what: str) -> None:
+    """Raise IRTypeError unless two dims are provably equal."""
+    if not dims_equal(a, b):
+        raise IRTypeError(f"{what}: {a} != {b}")

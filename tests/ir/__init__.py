@@ -1,0 +1,1 @@
+"""Tests of the IR package: ops, text form, verifier, analyses, types."""
