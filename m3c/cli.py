@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,15 @@ from m3c.model_defs.config import KV_CACHE_DTYPES, M3Config
 from m3c.model_defs.presets import PRESETS, get_preset
 
 Subparsers = Any  # argparse's _SubParsersAction is private
+
+
+def _para(text: str) -> str:
+    """A description paragraph wrapped for the terminal (RawDescriptionHelpFormatter keeps it as given)."""
+    return textwrap.fill(text, width=100, break_on_hyphens=False, break_long_words=False)
+
+
+class UsageError(M3CError, ValueError):
+    """Command-line arguments that do not go together."""
 
 
 def _load_config(args: argparse.Namespace) -> M3Config:
@@ -138,21 +148,30 @@ def _register_run(subparsers: Subparsers) -> None:
     """Add `m3c run`: prefill + greedy decode of a model, printing tokens, cache bytes and timing."""
     p = subparsers.add_parser(
         "run",
-        help="prefill a random prompt and decode greedily; print tokens, KV bytes per token and timing",
-        description=(
-            "Builds the model (a preset with random weights, or a checkpoint directory), prefills "
-            "--batch random prompts of --prompt-tokens tokens, then runs --decode-steps greedy decode "
-            "steps over the paged KV cache. Prints the generated tokens, the KV-cache bytes per token and "
-            "the prefill / per-step decode times. Runs on CUDA when present (--device auto), else the CPU."
+        help="prefill a random prompt and decode greedily (reference model, or a compiled ARTIFACT)",
+        description=_para(
+            "Without ARTIFACT: builds the reference model (a preset with random weights, or a checkpoint "
+            "directory). With ARTIFACT (from `m3c compile`): loads it, checks every file's sha256, and runs "
+            "its compiled program through the executor. Either way it prefills --batch random prompts of "
+            "--prompt-tokens tokens, then runs --decode-steps greedy decode steps over the paged KV cache, "
+            "and prints the generated tokens, the KV-cache bytes per token and the prefill / per-step "
+            "decode times. The prompts depend only on --seed, so a compiled run and a reference run of the "
+            "same weights (same preset and --seed) must print the same tokens. Runs on CUDA when present "
+            "(--device auto), else the CPU."
         ),
-        epilog="examples:\n  m3c run --preset m3.1-tiny --decode-steps 16\n"
-        "  m3c run --checkpoint ./ckpt --prompt-tokens 512 --decode-steps 32 --batch 4",
+        epilog="examples:\n  m3c run --preset m3.1-tiny --decode-steps 16                 # reference model\n"
+        "  m3c run --checkpoint ./ckpt --prompt-tokens 512 --decode-steps 32 --batch 4\n"
+        "  m3c compile --preset m3.1-tiny -o tiny.m3c && m3c run tiny.m3c --decode-steps 16   # compiled",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("artifact", nargs="?", metavar="ARTIFACT",
+                   help="a compiled artifact (.m3c zip or directory) to run instead of the reference model")
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--preset", default="m3.1-tiny", metavar="NAME",
-                       help=f"built-in model with random weights, one of: {', '.join(PRESETS)} (default: %(default)s)")
-    model.add_argument("--checkpoint", metavar="DIR", help="an HF-style checkpoint directory instead of --preset")
+    model.add_argument("--preset", default=None, metavar="NAME",
+                       help=f"built-in model with random weights, one of: {', '.join(PRESETS)} (default: m3.1-tiny; "
+                       "not with ARTIFACT)")
+    model.add_argument("--checkpoint", metavar="DIR",
+                       help="an HF-style checkpoint directory instead of --preset (not with ARTIFACT)")
     p.add_argument("--prompt-tokens", type=int, default=40, metavar="N",
                    help="tokens per prompt; use more than top-k × block size to reach the sparse path "
                    "(default: %(default)s)")
@@ -160,18 +179,30 @@ def _register_run(subparsers: Subparsers) -> None:
     p.add_argument("--batch", type=int, default=1, metavar="B", help="concurrent requests (default: %(default)s)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="chunked prefill: at most N prompt tokens per request and step (default: whole prompt)")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="override the config's K/V cache format")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="override the config's K/V cache format (reference runs; an artifact fixes its own)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random prompts, and of the random weights of a --preset (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default: %(default)s)")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     """Run `m3c run`."""
+    if args.artifact:
+        from m3c.runtime.executor import run_artifact
+
+        if args.preset or args.checkpoint or args.kv_cache_dtype:
+            raise UsageError("m3c run ARTIFACT: --preset, --checkpoint and --kv-cache-dtype belong to reference "
+                             "runs; the artifact fixes its model and formats (recompile to change them)")
+        report = run_artifact(args.artifact, prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps,
+                              batch=args.batch, prefill_chunk=args.prefill_chunk, seed=args.seed, device=args.device)
+        print(report.text())
+        return 0
     from m3c.runtime.reference import run_reference
 
     report = run_reference(
-        preset=None if args.checkpoint else args.preset, checkpoint=args.checkpoint,
+        preset=None if args.checkpoint else (args.preset or "m3.1-tiny"), checkpoint=args.checkpoint,
         prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps, batch=args.batch,
         prefill_chunk=args.prefill_chunk, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device,
     )
@@ -179,8 +210,161 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- compile ---------------------------------------------------------------------------------
+def _register_compile(subparsers: Subparsers) -> None:
+    """Add `m3c compile`: model → IR → passes → Program, saved as an artifact."""
+    from m3c.backends.target import list_targets
+
+    targets = ", ".join(t.name for t in list_targets())
+    p = subparsers.add_parser(
+        "compile",
+        help="compile a model (preset, config or checkpoint) for a target into an artifact file",
+        description=_para(
+            "Captures the model into m3c's IR (torch.export), runs the target's pass pipeline, lowers the "
+            "fused graph to a program and saves it as an artifact: a .m3c zip (when -o ends in .m3c) or a "
+            "directory, holding manifest.json, graph.m3cir (the IR as text), weights.safetensors and, for "
+            "GPU targets, kernels/. The same inputs give a byte-identical artifact. A --preset or --config "
+            "gets random weights from --seed; --checkpoint uses real ones. Results are cached under "
+            "$M3C_CACHE_DIR (default ~/.cache/m3c) by a hash of config, graph, options, weights and m3c "
+            "version; a second identical compile is a cache hit. No GPU is needed to compile."
+        ),
+        epilog=(
+            "examples:\n"
+            "  m3c compile --preset m3.1-tiny --target cpu -o tiny.m3c\n"
+            "  m3c compile --checkpoint ./ckpt --kv-cache-dtype fp8 -o ckpt-fp8.m3c\n"
+            "  m3c compile --preset m3.1-tiny -o tiny.m3c --explain --dump-ir-after all --dump-dir ir/\n"
+            "then: m3c inspect tiny.m3c; m3c run tiny.m3c --decode-steps 16"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--preset", metavar="NAME",
+                       help=f"built-in model config with random weights, one of: {', '.join(PRESETS)} "
+                       "(default: m3.1-tiny)")
+    model.add_argument("--config", metavar="PATH",
+                       help="an HF-style config.json (or its directory) with random weights, e.g. ./ckpt/config.json")
+    model.add_argument("--checkpoint", metavar="DIR",
+                       help="an HF-style checkpoint directory (config.json + safetensors): real weights")
+    p.add_argument("-o", "--output", required=True, metavar="PATH",
+                   help="where to write the artifact: PATH.m3c writes one zip file, any other PATH a directory")
+    p.add_argument("--target", default="cpu", metavar="NAME",
+                   help=f"what to compile for, one of: {targets} (default: %(default)s); `m3c targets` shows "
+                   "their facts and which run on this machine")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights of --preset / --config (default: %(default)s)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+                   help="format of the cached K and V, as vLLM's --kv-cache-dtype (default: the config's)")
+    p.add_argument("--indexer-kv-dtype", choices=KV_CACHE_DTYPES,
+                   help="format of the cached MSA index keys, as vLLM's indexer_kv_dtype (default: the config's)")
+    p.add_argument("--block-size", type=int, metavar="N",
+                   help="tokens per KV-cache block, as vLLM's --block-size; for M3 it must equal the MSA block "
+                   "size (128 for m3.1-flash, 8 for m3.1-tiny), so it only double-checks")
+    p.add_argument("--disable-pass", action="append", default=[], metavar="PASS",
+                   help="leave this pass out of the pipeline (repeatable), e.g. to find which pass breaks a model")
+    p.add_argument("--verify-each", action="store_true", help="run the IR verifier after every pass")
+    p.add_argument("--dump-ir-after", action="append", default=[], metavar="PASS|all",
+                   help="print the IR after this pass (repeatable; 'all' dumps the input and every pass) into "
+                   "--dump-dir; dumping runs the passes even on a cache hit")
+    p.add_argument("--dump-dir", default="m3c-ir-dumps", metavar="DIR",
+                   help="where --dump-ir-after writes <pipeline>.<NN>_<pass>.m3ir files (default: %(default)s)")
+    p.add_argument("--explain", action="store_true",
+                   help="report which fusion patterns matched where, and why the others did not")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the compile cache")
+    p.add_argument("--progress", action="store_true",
+                   help="print one line per stage to stderr (default: only when stderr is a terminal)")
+    p.set_defaults(func=_cmd_compile)
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    """Run `m3c compile`."""
+    from m3c.backends.options import CompileOptions
+    from m3c.compiler import compile_preset
+    from m3c.model_defs.config import M3Config
+    from m3c.runtime.artifact import save_artifact, sha256_bytes
+
+    options = CompileOptions(target=args.target, kv_cache_dtype=args.kv_cache_dtype,
+                             indexer_kv_dtype=args.indexer_kv_dtype, block_size=args.block_size,
+                             verify_each=args.verify_each, disable_passes=tuple(args.disable_pass))
+    source: str | M3Config | None = M3Config.load(args.config) if args.config else (args.preset or "m3.1-tiny")
+    program, cfg, report = compile_preset(
+        None if args.checkpoint else source, target=args.target, checkpoint=args.checkpoint, options=options,
+        seed=args.seed, cache=not args.no_cache, dump_ir_after=args.dump_ir_after or None,
+        dump_dir=args.dump_dir, explain=args.explain, progress=args.progress or None)
+    path = save_artifact(program, cfg, args.output, report.created_from)
+    print(report.text())
+    if report.pipeline is not None and report.pipeline.dump_paths:
+        print(f"IR dumps   {len(report.pipeline.dump_paths)} files in {args.dump_dir}")
+    size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    digest = f", sha256 {sha256_bytes(path.read_bytes())}" if path.is_file() else ""
+    print(f"wrote      {path} ({size:,} bytes{digest})")
+    return 0
+
+
+# ---- inspect ---------------------------------------------------------------------------------
+def _register_inspect(subparsers: Subparsers) -> None:
+    """Add `m3c inspect`: what an artifact holds, after checking every file's hash."""
+    p = subparsers.add_parser(
+        "inspect",
+        help="show an artifact's target, options, model, op counts, weight bytes and file hashes",
+        description=_para(
+            "Reads an artifact's manifest, checks the size and sha256 of every file it lists (exit status 2 "
+            "and a message saying what is wrong if one does not match), parses the IR graph and prints a "
+            "summary. Works for artifacts of any target, also ones this machine cannot run."
+        ),
+        epilog="examples:\n  m3c inspect tiny.m3c\n  m3c inspect tiny.m3c --json | jq .graph.op_counts",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("artifact", metavar="ARTIFACT", help="a .m3c zip or an artifact directory")
+    p.add_argument("--json", action="store_true", help="print the manifest (verified) as JSON instead")
+    p.set_defaults(func=_cmd_inspect)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    """Run `m3c inspect`."""
+    from m3c.runtime.artifact import describe, load_artifact
+
+    loaded = load_artifact(args.artifact, check_device=False)
+    if args.json:
+        print(json.dumps({**loaded.manifest, "verified": True}, indent=2, sort_keys=True))
+    else:
+        print(describe(loaded))
+    return 0
+
+
+# ---- targets ---------------------------------------------------------------------------------
+def _register_targets(subparsers: Subparsers) -> None:
+    """Add `m3c targets`: the compile targets, their facts, and which run here."""
+    p = subparsers.add_parser(
+        "targets",
+        help="list compile targets with their hardware facts and whether they run on this machine",
+        description=_para(
+            "One row per target: architecture, chips, SM/CU count, shared memory per SM, warp/wave size, FP8 "
+            "and FP4 tensor-core support, TMEM columns, how NVFP4 values reach the matrix units, the pass "
+            "pipeline, and whether this machine can run its programs. Any target can be compiled for here; "
+            "only runnable ones can be `m3c run`."
+        ),
+        epilog="examples:\n  m3c targets\n  m3c targets --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--json", action="store_true", help="every fact of every target as JSON")
+    p.set_defaults(func=_cmd_targets)
+
+
+def _cmd_targets(args: argparse.Namespace) -> int:
+    """Run `m3c targets`."""
+    from m3c.backends.target import list_targets, targets_table
+
+    if args.json:
+        print(json.dumps([{**t.facts(), "runnable_here": t.runnable_here()} for t in list_targets()], indent=2))
+    else:
+        print(targets_table())
+    return 0
+
+
 # ---- entry point -----------------------------------------------------------------------------
-COMMANDS: list[Callable[[Subparsers], None]] = [_register_plan, _register_run]
+COMMANDS: list[Callable[[Subparsers], None]] = [
+    _register_compile, _register_inspect, _register_run, _register_plan, _register_targets,
+]
 """Registrars, one per subcommand, in the order `m3c --help` lists them."""
 
 

@@ -29,3 +29,15 @@ class KVCacheCapacityError(M3CError, RuntimeError):
 
 class PlanError(M3CError, ValueError):
     """The capacity planner was given an unknown GPU, layout or context length."""
+
+
+class TargetError(M3CError, ValueError):
+    """A compile target name is unknown, or a target cannot do what was asked of it here."""
+
+
+class ArtifactError(M3CError, ValueError):
+    """A compiled artifact is missing, corrupt, tampered with, of a newer format, or built for another device."""
+
+
+class CompileError(M3CError, RuntimeError):
+    """A model could not be compiled as asked (bad options, an unsupported model or a failed stage)."""

@@ -8,7 +8,12 @@ driver launcher loads without the Triton JIT.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,9 +84,48 @@ class CompiledKernel:
         return [*out, p]
 
 
+def compile_kernels(specs: list[KernelSpec], backend: str = "cuda", arch: int | str = 90, warp_size: int = 32,
+                    target_name: str = "hopper") -> list[CompiledKernel]:
+    """Compile several specializations; under TRITON_INTERPRET=1 (where @triton.jit functions are
+    interpreted and cannot be compiled) they are compiled in one clean child process instead."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return [compile_kernel(s, backend, arch, warp_size, target_name) for s in specs]
+    with tempfile.TemporaryDirectory() as tmp:
+        job = [{"module": s.fn.fn.__module__ if hasattr(s.fn, "fn") else s.fn.__module__,
+                "name": s.fn.__name__, "family": s.family, "arg_types": s.arg_types, "constexprs": s.constexprs,
+                "num_warps": s.num_warps, "num_stages": s.num_stages, "divisible_16": list(s.divisible_16),
+                "enable_fp_fusion": s.enable_fp_fusion} for s in specs]
+        (Path(tmp) / "job.json").write_text(json.dumps({"specs": job, "backend": backend, "arch": arch,
+                                                        "warp_size": warp_size, "target": target_name}))
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        proc = subprocess.run([sys.executable, "-m", "m3c.backends.triton_aot", tmp], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise KernelCompileError(f"offline kernel compile failed in the child process:\n{proc.stderr[-3000:]}")
+        out = []
+        for i in range(len(specs)):
+            meta = json.loads((Path(tmp) / f"{i}.json").read_text())
+            out.append(CompiledKernel(meta["key"], meta["family"], meta["name"], (Path(tmp) / f"{i}.bin").read_bytes(),
+                                      meta["shared_bytes"], meta["num_warps"], meta["arg_names"], meta["arg_types"],
+                                      meta["target"], meta["stages"]))
+        return out
+
+
+def _child(tmp: str) -> None:
+    """Child-process entry of compile_kernels: compile the job in `tmp` and write binaries + metadata."""
+    job = json.loads((Path(tmp) / "job.json").read_text())
+    for i, j in enumerate(job["specs"]):
+        fn = getattr(importlib.import_module(j["module"]), j["name"])
+        spec = KernelSpec(j["family"], fn, j["arg_types"], j["constexprs"], j["num_warps"], j["num_stages"],
+                          tuple(j["divisible_16"]), j["enable_fp_fusion"])
+        ck = compile_kernel(spec, job["backend"], job["arch"], job["warp_size"], job["target"])
+        (Path(tmp) / f"{i}.bin").write_bytes(ck.binary)
+        (Path(tmp) / f"{i}.json").write_text(json.dumps(ck.meta() | {"stages": ck.stages}))
+
+
 def compile_kernel(spec: KernelSpec, backend: str = "cuda", arch: int | str = 90, warp_size: int = 32,
                    target_name: str = "hopper") -> CompiledKernel:
-    """Compile one specialization offline for (backend, arch)."""
+    """Compile one specialization offline for (backend, arch) (not under TRITON_INTERPRET; see compile_kernels)."""
     names = list(spec.fn.arg_names)
     signature = {n: spec.arg_types.get(n, "constexpr") for n in names}
     missing = [n for n in names if n not in spec.arg_types and n not in spec.constexprs]
@@ -100,3 +144,7 @@ def compile_kernel(spec: KernelSpec, backend: str = "cuda", arch: int | str = 90
     runtime = [n for n in names if n in spec.arg_types]
     return CompiledKernel(spec.key(), spec.family, cc.metadata.name, bytes(binary), int(cc.metadata.shared),
                           spec.num_warps, runtime, [spec.arg_types[n] for n in runtime], target_name, stages)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

@@ -6,14 +6,14 @@ checked for consistency), then used for shape attributes such as a view's target
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import sympy
 import torch
 
 from m3c.errors import ShapeError
-from m3c.ir.graph import Graph, Value
+from m3c.ir.graph import Graph, Node, Value
 from m3c.ir.registry import get_op
 from m3c.ir.types import Dim, DType, TensorType, eval_dim, parse_dim
 from m3c.model_defs import quant
@@ -84,11 +84,18 @@ def _bind_attr(value: Any, bindings: dict[str, int]) -> Any:
     return value
 
 
-def interpret(graph: Graph, inputs: Mapping[str, Any], check_types: bool = False) -> list[Any]:
+OpImpl = Callable[[Node, list[Any], dict[str, Any]], Any]
+
+
+def interpret(graph: Graph, inputs: Mapping[str, Any], check_types: bool = False,
+              impls: Mapping[str, OpImpl] | None = None) -> list[Any]:
     """Run `graph` on named inputs; returns its outputs. State inputs are updated in place.
 
     With `check_types`, every produced tensor's shape and dtype is checked against its IR type.
+    `impls` lets a runtime claim ops: ``impls[op](node, args, attrs)`` runs instead of the reference
+    (a GPU backend's kernels); every other op runs its reference implementation.
     """
+    impls = impls or {}
     bindings = bind_symbols(graph, inputs)
     env: dict[Value, Any] = {v: inputs[v.name] for v in graph.inputs}
     for node in graph.nodes:
@@ -97,7 +104,8 @@ def interpret(graph: Graph, inputs: Mapping[str, Any], check_types: bool = False
         for name in op.dim_attrs:
             attrs[name] = _bind_attr(attrs[name], bindings)
         args = [None if v is None else env[v] for v in node.inputs]
-        out = op.reference(*args, **attrs)
+        impl = impls.get(node.op)
+        out = impl(node, args, attrs) if impl is not None else op.reference(*args, **attrs)
         if not node.outputs:
             continue
         outs = list(out) if isinstance(out, (tuple, list)) else [out]

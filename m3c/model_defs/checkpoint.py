@@ -137,8 +137,11 @@ def _shard_files(path: Path) -> dict[str, str]:
     single = path / "model.safetensors"
     if not single.exists():
         raise CheckpointError(f"{path}: no {INDEX_NAME} and no model.safetensors; is this a checkpoint directory?")
-    with safe_open(str(single), framework="pt") as f:
-        return {name: "model.safetensors" for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return {name: "model.safetensors" for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"{single}: cannot read safetensors file ({e})") from e
 
 
 def iter_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:

@@ -121,8 +121,18 @@ class M3Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}={value!r}: expected a positive integer")
-        if self.n_shared_experts < 0:
-            raise ConfigError(f"n_shared_experts={self.n_shared_experts}: must be >= 0")
+        if not isinstance(self.n_shared_experts, int) or isinstance(self.n_shared_experts, bool) \
+                or self.n_shared_experts < 0:
+            raise ConfigError(f"n_shared_experts={self.n_shared_experts!r}: expected an integer >= 0")
+        for name in ("norm_topk_prob", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected true or false")
+        for name in ("rope_theta", "rms_norm_eps", "routed_scaling_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name}={value!r}: expected a number")
+        if not isinstance(self.quant, QuantScheme):
+            raise ConfigError(f"quant={self.quant!r}: expected a QuantScheme")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -164,9 +174,13 @@ class M3Config:
     def replace(self, **changes: Any) -> M3Config:
         """A copy with some fields changed (quantization fields may be given flat, e.g. kv_cache_dtype)."""
         qfields = {f.name for f in dataclasses.fields(QuantScheme)}
+        known = {f.name for f in dataclasses.fields(self)}
+        for key in changes:
+            if key not in known and key not in qfields:
+                raise ConfigError(f"{key}: unknown config field")
         qchanges = {k: changes.pop(k) for k in list(changes) if k in qfields}
         if qchanges:
-            changes["quant"] = dataclasses.replace(self.quant, **qchanges)
+            changes["quant"] = dataclasses.replace(changes.get("quant", self.quant), **qchanges)
         return dataclasses.replace(self, **changes)
 
     # ---- HF config.json ------------------------------------------------------------------
@@ -193,7 +207,7 @@ class M3Config:
         data.pop("architectures", None)
         data.pop("torch_dtype", None)
         data.pop("transformers_version", None)
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "quant"}
         quant = data.pop("quantization", {}) or {}
         if not isinstance(quant, dict):
             raise ConfigError(f"quantization: expected an object, got {type(quant).__name__}")
@@ -208,8 +222,7 @@ class M3Config:
             kwargs[key] = _coerce(key, known[key].type, value)
         missing = [
             name for name, f in known.items()
-            if name not in kwargs and name != "quant"
-            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         ]
         if missing:
             raise ConfigError(f"{missing[0]}: required config field is missing")

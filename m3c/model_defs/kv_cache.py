@@ -129,7 +129,12 @@ class BlockAllocator:
         return [self._free.pop() for _ in range(n)]
 
     def free(self, blocks: list[int]) -> None:
-        """Give blocks back."""
+        """Give blocks back; a block that is already free or out of range raises ShapeError (nothing freed)."""
+        free = set(self._free)
+        for b in blocks:
+            if not 0 <= b < self.num_blocks or b in free:
+                raise ShapeError(f"block {b} is not held (already free or not in 0..{self.num_blocks - 1})")
+            free.add(b)
         self._free.extend(reversed(blocks))
 
 
@@ -187,6 +192,8 @@ class PagedKVCache:
 
     def free_request(self, req: int) -> None:
         """Drop a request and return its blocks."""
+        if req not in self.blocks:
+            raise ShapeError(f"request {req} is not in the KV cache")
         self.allocator.free(self.blocks.pop(req))
         self.lengths.pop(req)
 

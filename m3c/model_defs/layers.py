@@ -106,7 +106,8 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids [T, k], topk_weights [T, k]) for tokens x [T, H]."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.gate.dequantized(torch.float32))
+        dt = torch.promote_types(x.dtype, torch.float32)  # routing in at least float32 (float64 models: float64)
+        logits = F.linear(x.to(dt), self.gate.dequantized(dt))
         scores = torch.sigmoid(logits)
         _, ids = torch.ops.m3c.topk(scores + self.e_score_correction_bias, cfg.num_experts_per_tok)
         weights = torch.gather(scores, 1, ids)

@@ -60,14 +60,14 @@ def m31_tiny() -> M3Config:
         vocab_size=512,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=64,  # rotary halves of 16 keep every NVFP4 block of 16 inside one RoPE half
         index_n_heads=2,
-        index_head_dim=32,
+        index_head_dim=64,
         msa_block_size=8,
         msa_topk_blocks=2,
         sparse_layers=(0, 1),  # layer 2 stays dense so both attention paths are exercised
         rope_theta=10_000.0,
-        rotary_dim=16,
+        rotary_dim=32,
         rms_norm_eps=1e-6,
         n_routed_experts=8,
         num_experts_per_tok=2,

@@ -138,7 +138,7 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
-    return codes[..., 1::2] | (codes[..., 0::2] << 4)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

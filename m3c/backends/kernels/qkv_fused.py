@@ -89,7 +89,10 @@ def _gemm_tile(x_ptr, w_ptr, rows_c, n0, k_lo, k_hi, K, BLOCK_M: tl.constexpr, B
         if UPCAST:  # Triton's CPU interpreter mis-multiplies bf16 dots; f32 gives the same exact products
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc)
+        if x.dtype == tl.float32:  # a float32 graph keeps float32 products (no TF32 rounding)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
     return acc
 
 

@@ -1,0 +1,71 @@
+"""CUDA implementations the executor hands the interpreter for a Hopper Program's kernel-backed ops.
+
+Each loaded cubin is launched through the CUDA driver (:mod:`m3c.runtime.cuda_launcher`); no Triton
+JIT runs at load. Ops without an entry here run their torch reference on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from m3c.backends.hopper import DECODE_MAX_TOKENS, compiled_kernels, qkv_shape
+from m3c.backends.kernels.qkv_fused_launch import fused_args
+from m3c.backends.program import Program
+from m3c.ir.graph import Node
+from m3c.ir.interpreter import OpImpl
+from m3c.runtime.cuda_launcher import CubinKernel
+
+
+class QKVLauncher:
+    """Runs qkv_norm_rope_kvinsert nodes with the program's cubins (decode or prefill tiles by token count)."""
+
+    def __init__(self, program: Program, device: torch.device) -> None:
+        self.kernels = {key: CubinKernel(k.binary, k.name, k.shared_bytes, k.num_warps, k.arg_types)
+                        for key, k in compiled_kernels(program).items()}
+        metas = next((e["kernel_meta"] for e in program.launch_plan if "kernel_meta" in e), {})
+        self.tiles = {key: m["tiles"] for key, m in metas.items()}
+        self.entries = {e["output"]: e for e in program.launch_plan if e.get("kernels")}
+        self.packed = {e["weight"]: program.weights[e["weight"]].to(device) for e in self.entries.values()}
+        self.workspaces: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.launches = 0
+
+    def _workspace(self, key: str, floats: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if (key, tiles) not in self.workspaces:
+            self.workspaces[(key, tiles)] = (torch.empty(floats, dtype=torch.float32, device=device),
+                                             torch.zeros(tiles, dtype=torch.int32, device=device))
+        return self.workspaces[(key, tiles)]
+
+    def __call__(self, node: Node, args: list[Any], attrs: dict[str, Any]) -> Any:
+        """Launch the node's kernel; returns q (, index-q) like the reference."""
+        entry = self.entries.get(node.outputs[0].name)
+        if entry is None:
+            from m3c.ir.registry import get_op
+
+            return get_op(node.op).reference(*args, **attrs)
+        x, _, qn, kn, iqn, ikn, cos, sin, slots, kc, vc, ikc = args
+        shape = qkv_shape(node)
+        t = x.shape[0]
+        phase = "decode" if t <= 16 else "decode64" if t <= DECODE_MAX_TOKENS else "prefill"
+        key = entry["kernels"][phase]
+        bm, _, _, _, split = self.tiles[key]
+        x = x.contiguous()
+        q = torch.empty((t, shape.num_q_heads, shape.head_dim), dtype=x.dtype, device=x.device)
+        iq = torch.empty((t, max(shape.num_index_heads, 1), shape.head_dim), dtype=x.dtype, device=x.device)
+        norms = (qn, kn, iqn, ikn) if shape.num_index_heads else (qn, kn)
+        cargs = fused_args(x, self.packed[entry["weight"]], cos.contiguous(), sin.contiguous(), slots, norms, kc, vc,
+                           ikc, shape, attrs["eps"], q, iq)
+        n_tiles = -(-t // bm) * shape.num_heads
+        if split > 1:
+            ws, cnt = self._workspace(key, split * n_tiles * bm * shape.head_dim, n_tiles, x.device)
+            self.kernels[key]((n_tiles * split,), *cargs, ws, cnt, t, x.shape[1], attrs["eps"])
+        else:
+            self.kernels[key]((n_tiles,), *cargs, t, x.shape[1], attrs["eps"])
+        self.launches += 1
+        return (q, iq) if shape.num_index_heads else (q,)
+
+
+def cuda_impls(program: Program, device: torch.device) -> dict[str, OpImpl]:
+    """Op name -> implementation for the interpreter, for a Hopper program on a CUDA device."""
+    return {"qkv_norm_rope_kvinsert": QKVLauncher(program, device)}
