@@ -248,8 +248,8 @@ def _register_compile(subparsers: Subparsers) -> None:
     p.add_argument("-o", "--output", required=True, metavar="PATH",
                    help="where to write the artifact: PATH.m3c writes one zip file, any other PATH a directory")
     p.add_argument("--target", default="cpu", metavar="NAME",
-                   help=f"what to compile for, one of: {targets} (default: %(default)s); `m3c targets` shows "
-                   "their facts and which run on this machine")
+                   help=f"what to compile for, one of: {targets}, or auto (the GPU target this machine runs, "
+                   "else cpu) (default: %(default)s); `m3c targets` shows their facts and which run here")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random weights of --preset / --config (default: %(default)s)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
@@ -282,6 +282,10 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from m3c.model_defs.config import M3Config
     from m3c.runtime.artifact import save_artifact, sha256_bytes
 
+    if args.target == "auto":
+        from m3c.backends.target import auto_target
+
+        args.target = auto_target().name
     options = CompileOptions(target=args.target, kv_cache_dtype=args.kv_cache_dtype,
                              indexer_kv_dtype=args.indexer_kv_dtype, block_size=args.block_size,
                              verify_each=args.verify_each, disable_passes=tuple(args.disable_pass))

@@ -137,7 +137,7 @@ def test_bad_requests_are_refused_early() -> None:
     with pytest.raises(TargetError, match="unknown target 'h200'"):
         compile_preset("m3.1-tiny", target="h200", cache=False)
     with pytest.raises(TargetError, match="no code generator"):
-        compile_preset("m3.1-tiny", target="hopper", cache=False)
+        compile_preset("m3.1-tiny", target="rubin", cache=False)
     with pytest.raises(CompileError, match="--block-size 8"):
         compile_preset("m3.1-tiny", options=CompileOptions(block_size=128), cache=False)
     with pytest.raises(CompileError, match=r"no such pass; its passes are \['canonicalize'"):

@@ -166,3 +166,11 @@ def targets_table(targets: list[Target] | None = None) -> str:
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def auto_target() -> Target:
+    """The first registered target with a code generator whose device this machine has, else cpu."""
+    for t in list_targets():
+        if t.runtime != "cpu" and t.lowering and t.runnable_here():
+            return t
+    return get_target("cpu")

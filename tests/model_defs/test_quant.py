@@ -88,8 +88,10 @@ def test_ties_round_to_even(mid: float, code: int, sign: float):
     v = torch.tensor(mid * sign)
     x = torch.stack([v, torch.nextafter(v, v * 2), torch.nextafter(v, torch.tensor(0.0))])  # tie, above, below
     assert e2m1_encode(x).tolist() == [code | neg, (lo_code + 1) | neg, lo_code | neg]
-    block = torch.tensor([6.0 * sign, mid * sign] + [0.0] * 14)  # through NVFP4 with scale 1.0
-    assert unpack_nibbles(nvfp4_quantize(block).data)[1].item() == code | neg
+    block = torch.tensor([6.0 * sign, mid * sign] + [0.0] * 14)  # through NVFP4: scale 1.0, x / (1.0 * gs) == mid
+    for gs in (None, 3.0, 0.375):
+        t = nvfp4_quantize(block * (gs or 1.0), gs)
+        assert t.scale.float().item() == 1.0 and unpack_nibbles(t.data)[1].item() == code | neg
 
 
 def test_tie_with_inexact_reciprocal_scale():
@@ -102,6 +104,23 @@ def test_tie_with_inexact_reciprocal_scale():
 def test_torchao_tie_difference_is_as_documented():
     _, data = ao_nvfp4(torch.tensor([[5.625, 2.34375] + [0.0] * 14]))
     assert unpack_nibbles(data)[0, 1].item() == 5
+
+
+def test_mxfp8_tiny_blocks_use_the_stored_scale():
+    x = torch.randn(3, 32) * 2.0**-124  # amax < 2**-118: scale byte 0 means 2**-127
+    x[:, 0] = 2.0**-122
+    m = mxfp8_quantize(x)
+    assert m.scale.eq(0).all()
+    assert torch.equal(bits(m.data), bits((x * 2.0**127).to(torch.float8_e4m3fn)))
+    assert torch.allclose(mxfp8_dequantize(m), x, rtol=2**-4, atol=2.0**-137)
+
+
+@needs_torchao
+def test_torchao_tiny_mx_block_difference_is_as_documented():
+    x = torch.full((1, 32), 2.0**-122)
+    scale, data = ao_to_mx(x, torch.float8_e4m3fn, 32)
+    assert bits(scale).item() == 0 and data.float()[0, 0].item() == 16.0  # 2**-122 / 2**-126; the scale means 2**-127
+    assert mxfp8_quantize(x).data.float()[0, 0].item() == 32.0
 
 
 @FAST
@@ -320,7 +339,7 @@ def test_nvfp4_scale_is_nearest_e4m3_and_error_bounded(x: torch.Tensor, gs: floa
 
 
 @FAST
-@given(blocked(32, lo=-110, hi=110))
+@given(blocked(32, lo=-140, hi=110))
 def test_mxfp8_scale_and_error_bound(x: torch.Tensor):
     m = mxfp8_quantize(x)
     assert m.shape == x.shape and m.data.dtype == torch.float8_e4m3fn and m.scale.dtype == torch.uint8
