@@ -25,7 +25,9 @@ from m3c.ir.types import DType
 from m3c.model_defs import quant
 
 DECODE_MAX_TOKENS = 64
-TILES = {"decode": (16, 128, 4, 4, 8), "decode64": (64, 128, 4, 4, 8), "prefill": (128, 64, 8, 3, 1)}
+# From benchmarks/RESULTS.md run 2 (m3.1-small): BM 16 / split-K 4 was fastest at 16 and 64 tokens,
+# 128×64 tiles with 8 warps at 8192.
+TILES = {"decode": (16, 128, 4, 4, 4), "decode64": (16, 128, 4, 4, 4), "prefill": (128, 64, 8, 3, 1)}
 _TRITON_DTYPE = {DType.bf16: "bf16", DType.f32: "fp32", DType.f16: "fp16"}
 
 

@@ -8,6 +8,7 @@ per 32), so a pass can ask how many bytes a value occupies.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 from fractions import Fraction
@@ -86,8 +87,9 @@ def sym(name: str) -> sympy.Symbol:
     return sympy.Symbol(name, integer=True, positive=True)
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_dim(text: str) -> Dim:
-    """A dimension from its printed form ('128', 'T', '4*T')."""
+    """A dimension from its printed form ('128', 'T', '4*T'); cached (dims are immutable)."""
     text = text.strip()
     if text.lstrip("-").isdigit():
         return int(text)

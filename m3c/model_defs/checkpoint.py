@@ -26,16 +26,16 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def _random_logical(spec: WeightSpec, gen: torch.Generator) -> torch.Tensor:
-    """A float32 tensor with the spread a trained weight of this kind would have."""
+    """A float32 tensor with the spread a trained weight of this kind would have (on the generator's device)."""
     short = spec.name.rsplit(".", 1)[-1]
+    randn = torch.randn(spec.shape, generator=gen, device=gen.device)
     if short.endswith("norm") or short.endswith("layernorm"):
-        return 1.0 + 0.1 * torch.randn(spec.shape, generator=gen)
+        return 1.0 + 0.1 * randn
     if short == "e_score_correction_bias":
-        return 0.1 * torch.randn(spec.shape, generator=gen)
+        return 0.1 * randn
     if short == "embed_tokens":
-        return torch.randn(spec.shape, generator=gen)
-    fan_in = spec.shape[-1]
-    return torch.randn(spec.shape, generator=gen) / fan_in**0.5
+        return randn
+    return randn / spec.shape[-1] ** 0.5
 
 
 def stored_tensors(spec: WeightSpec, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -57,9 +57,13 @@ def stored_tensors(spec: WeightSpec, w: torch.Tensor) -> dict[str, torch.Tensor]
     }
 
 
-def random_hf_weights(cfg: M3Config, seed: int) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor of `cfg`, random (seeded) and quantized to the configured formats."""
-    gen = torch.Generator().manual_seed(seed)
+def random_hf_weights(cfg: M3Config, seed: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor of `cfg`, random (seeded) and quantized to the configured formats.
+
+    Drawn and quantized on `device` (a GPU makes the big presets take seconds); the values depend on
+    the device's random generator, so the same seed on CPU and CUDA gives different weights.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for spec in weight_specs(cfg):
         out.update(stored_tensors(spec, _random_logical(spec, gen)))

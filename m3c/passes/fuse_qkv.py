@@ -8,7 +8,9 @@ Matches, in the canonicalized graph (RoPE already raised), one layer's chain::
     paged_write(quantize(view(v)) {nvfp4}, slots, v_cache)          (and index-k like k)
 
 and replaces it with one node whose outputs are q (and index-q) and whose effects are the cache
-writes. Four rewrites: sparse/dense layer × quantized/bf16 projection weight.
+writes. One rewrite per form of the chain: sparse/dense layer × projection weight as
+``dequantize(w)`` / ``cast(dequantize(w))`` / ``cast(w)`` × norm weights cast to the activation
+dtype or used as they are (a bf16 model needs no cast).
 """
 
 from __future__ import annotations
@@ -19,27 +21,37 @@ from m3c.passes.rewrite import Check, Match, P, Rewrite, RewritePass, V, X
 PASS_NAME = "fuse_qkv_norm_rope_kvinsert"
 
 
-def _head_chain(part: P, norm: str, cos: X, sin: X, name: str) -> P:
-    """rope(rms_norm(view(part), cast(norm_weight)), cos, sin)."""
-    return P("rope", P("rms_norm", P("view", part, name=f"{name}_view"), P("cast", X(norm), dtype="f32"),
-                       eps=V("eps")), cos, sin, name=name)
+WEIGHT_FORMS = ("dequantize", "cast_dequantize", "cast")
+
+
+def _head_chain(part: P, norm: str, cos: X, sin: X, name: str, norm_cast: bool) -> P:
+    """rope(rms_norm(view(part), [cast](norm_weight)), cos, sin)."""
+    weight = P("cast", X(norm)) if norm_cast else X(norm)
+    return P("rope", P("rms_norm", P("view", part, name=f"{name}_view"), weight, eps=V("eps")), cos, sin, name=name)
+
+
+def _weight(form: str) -> P:
+    if form == "dequantize":
+        return P("dequantize", X("w"))
+    if form == "cast_dequantize":
+        return P("cast", P("dequantize", X("w")))
+    return P("cast", X("w"))
 
 
 def _write(value: P, cache: str, name: str) -> P:
     return P("paged_write", P("quantize", value, dtype="nvfp4"), X("slots"), X(cache), name=name)
 
 
-def _rewrite(sparse: bool, quantized_weight: bool) -> Rewrite:
-    weight = P("dequantize", X("w")) if quantized_weight else P("cast", X("w", dtype="bf16"), dtype="f32")
-    split = P("split", P("linear", X("x", rank=2), weight), name="split", dim=1)
+def _rewrite(sparse: bool, weight_form: str, norm_cast: bool) -> Rewrite:
+    split = P("split", P("linear", X("x", rank=2), _weight(weight_form)), name="split", dim=1)
     cos, sin = X("cos", rank=2), X("sin", rank=2)
-    q = _head_chain(split[0], "q_norm", cos, sin, "q")
-    k = _write(_head_chain(split[1], "k_norm", cos, sin, "k"), "k_cache", "k_write")
+    q = _head_chain(split[0], "q_norm", cos, sin, "q", norm_cast)
+    k = _write(_head_chain(split[1], "k_norm", cos, sin, "k", norm_cast), "k_cache", "k_write")
     v = _write(P("view", split[2], name="v_view"), "v_cache", "v_write")
     roots = [k, v, q]
     if sparse:
-        iq = _head_chain(split[3], "index_q_norm", cos, sin, "iq")
-        ik = _write(_head_chain(split[4], "index_k_norm", cos, sin, "ik"), "index_k_cache", "ik_write")
+        iq = _head_chain(split[3], "index_q_norm", cos, sin, "iq", norm_cast)
+        ik = _write(_head_chain(split[4], "index_k_norm", cos, sin, "ik", norm_cast), "index_k_cache", "ik_write")
         roots = [k, v, ik, q, iq]
     parts = 5 if sparse else 3
     checks = [
@@ -48,7 +60,7 @@ def _rewrite(sparse: bool, quantized_weight: bool) -> Rewrite:
         Check("the index key is one head", lambda m: not sparse or m.node("ik_view").outputs[0].type.shape[1] == 1),
         Check("caches are nvfp4", lambda m: all(m[c].type.dtype == DType.nvfp4 for c in _caches(sparse))),
     ]
-    name = f"qkv_{'sparse' if sparse else 'dense'}_{'qweight' if quantized_weight else 'bf16weight'}"
+    name = f"qkv_{'sparse' if sparse else 'dense'}_{weight_form}_{'normcast' if norm_cast else 'norm'}"
     return Rewrite(name, roots, lambda m, b: _build(m, b, sparse), where=checks)
 
 
@@ -76,5 +88,6 @@ def _build(m: Match, b, sparse: bool) -> list:
 
 
 def fuse_qkv_pass() -> RewritePass:
-    """The fusion pass (sparse layers first, then dense; quantized or bf16 projection weights)."""
-    return RewritePass(PASS_NAME, [_rewrite(s, qw) for s in (True, False) for qw in (True, False)])
+    """The fusion pass (sparse layers first, then dense; every weight and norm form)."""
+    return RewritePass(PASS_NAME, [_rewrite(s, form, cast) for s in (True, False) for form in WEIGHT_FORMS
+                                   for cast in (True, False)])

@@ -54,7 +54,8 @@ class QKVLauncher:
         q = torch.empty((t, shape.num_q_heads, shape.head_dim), dtype=x.dtype, device=x.device)
         iq = torch.empty((t, max(shape.num_index_heads, 1), shape.head_dim), dtype=x.dtype, device=x.device)
         norms = (qn, kn, iqn, ikn) if shape.num_index_heads else (qn, kn)
-        cargs = fused_args(x, self.packed[entry["weight"]], cos.contiguous(), sin.contiguous(), slots, norms, kc, vc,
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()  # the kernel reads float32 angles
+        cargs = fused_args(x, self.packed[entry["weight"]], cos, sin, slots, norms, kc, vc,
                            ikc, shape, attrs["eps"], q, iq)
         n_tiles = -(-t // bm) * shape.num_heads
         if split > 1:

@@ -229,6 +229,8 @@ def test_forward_matches_spec_reference(weights, rng: torch.Generator, kv: str) 
     err = _rel(got, want)
     print(f"{kv} cache: model vs spec reference, max rel logit difference {err:.2e}")
     assert err <= F64_RTOL
+
+
 # ---------------------------------------------------------------------------------------------
 # Step schedules that must agree
 # ---------------------------------------------------------------------------------------------

@@ -71,3 +71,22 @@ def test_fusion_on_the_full_preset_matches_every_layer() -> None:
     cap = capture_m3(cfg, device="meta")
     run_pipeline(cap.graph, pipeline_for("hopper"), PassContext())
     assert cap.graph.op_counts()["qkv_norm_rope_kvinsert"] == 60
+
+
+@pytest.mark.parametrize("dtype,proj", [(torch.bfloat16, "mxfp8"), (torch.float32, "bf16")])
+def test_fusion_matches_bf16_models_and_bf16_weights(dtype: torch.dtype, proj: str, rng: torch.Generator) -> None:
+    """A bf16 model (no norm-weight casts, a cast after dequantize) and bf16 projection weights fuse too."""
+    cfg = get_preset("m3.1-tiny").replace(proj_dtype=proj)
+    model = build_model(cfg, seed=int(torch.randint(0, 2**31 - 1, (1,), generator=rng)), dtype=dtype)
+    cap = capture_m3(cfg, model=model)
+    before = parse_graph(print_graph(cap.graph))
+    run_pipeline(cap.graph, pipeline_for("hopper"), PassContext(verify_each=True))
+    assert cap.graph.op_counts()["qkv_norm_rope_kvinsert"] == cfg.num_hidden_layers
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=rng)))
+    args = list(m3_example_inputs(cfg))
+    args[0] = torch.randint(0, cfg.vocab_size, args[0].shape, generator=gen)
+    _fill(args[-1], gen)
+    a_before, a_after = copy.deepcopy(args), copy.deepcopy(args)
+    (ref,) = interpret(before, cap.bind(model, *a_before), check_types=True)
+    (out,) = interpret(cap.graph, cap.bind(model, *a_after), check_types=True)
+    assert torch.equal(out, ref)  # the fused op's reference is the same composition, op for op
