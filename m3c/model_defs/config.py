@@ -73,7 +73,10 @@ class M3Config:
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sparse_layers", tuple(int(i) for i in self.sparse_layers))
+        layers = self.sparse_layers
+        if not isinstance(layers, (list, tuple)) or any(not isinstance(i, int) or isinstance(i, bool) for i in layers):
+            raise ConfigError(f"sparse_layers={layers!r}: expected a list of integer layer indices")
+        object.__setattr__(self, "sparse_layers", tuple(layers))
         self.validate()
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -256,7 +259,8 @@ def _coerce(key: str, annotation: Any, value: Any) -> Any:
     """Check (and lightly convert) one config value against its field annotation."""
     text = str(annotation)
     if text.startswith("tuple"):
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) for v in value):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                           for v in value):
             raise ConfigError(f"{key}={value!r}: expected a list of integers")
         return tuple(value)
     if text == "bool":

@@ -282,3 +282,12 @@ def test_config_is_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.hidden_size = 64  # type: ignore[misc]
     assert hash(cfg) == hash(m31_tiny())
+
+
+@pytest.mark.parametrize("how", ["json-bool", "construct-float"])
+def test_sparse_layers_must_be_integers(how: str) -> None:
+    with pytest.raises(ConfigError, match="sparse_layers"):
+        if how == "json-bool":
+            M3Config.from_dict(_mutated(sparse_layers=[True]))
+        else:
+            m31_tiny().replace(sparse_layers=(0.7,))
