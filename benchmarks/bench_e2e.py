@@ -18,18 +18,8 @@ import torch
 import m3c
 from m3c.backends.target import auto_target
 from m3c.model_defs.checkpoint import build_model, random_hf_weights
-from m3c.model_defs.generate import greedy_generate, make_cache
 from m3c.model_defs.presets import get_preset
-
-
-def timed_generation(step, cfg, prompts: list[list[int]], steps: int, device: str) -> dict:
-    """One warm-up generation, then a timed one on a fresh cache: prefill s, decode ms/step, tokens."""
-    greedy_generate(step, make_cache(cfg, len(prompts[0]) + steps + 1, len(prompts), device), prompts, 2)
-    r = greedy_generate(step, make_cache(cfg, len(prompts[0]) + steps + 1, len(prompts), device), prompts, steps)
-    n = len(prompts)
-    return {"prefill_s": r.prefill_s, "prefill_tok_s": n * len(prompts[0]) / r.prefill_s,
-            "decode_ms_per_step": 1e3 * r.decode_s / max(steps, 1), "decode_tok_s": n * steps / max(r.decode_s, 1e-9),
-            "tokens": r.tokens}
+from m3c.runtime.bench import random_prompts, timed_generation
 
 
 def main() -> None:
@@ -55,9 +45,7 @@ def main() -> None:
     t0 = time.time()
     compiled = m3c.compile(build_model(cfg, cpu_tensors, dtype=dtype), target=target)
     t_compile = time.time() - t0
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
-               for _ in range(args.batch)]
+    prompts = random_prompts(cfg, args.batch, args.prompt_tokens)
     rows = {"m3c_" + target: timed_generation(compiled, cfg, prompts, args.decode_steps, device)}
     print("m3c", {k: v for k, v in rows["m3c_" + target].items() if k != "tokens"}, flush=True)
     rows["reference_eager"] = timed_generation(eager, cfg, prompts, args.decode_steps, device)

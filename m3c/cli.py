@@ -13,6 +13,7 @@ import json
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from m3c.errors import M3CError
@@ -269,6 +270,9 @@ def _register_compile(subparsers: Subparsers) -> None:
                    help="where --dump-ir-after writes <pipeline>.<NN>_<pass>.m3ir files (default: %(default)s)")
     p.add_argument("--explain", action="store_true",
                    help="report which fusion patterns matched where, and why the others did not")
+    p.add_argument("--dump-kernels", metavar="DIR",
+                   help="write every kernel of the program (PTX and cubin for NVIDIA targets) into DIR, e.g. to "
+                   "read the SASS with `cuobjdump --dump-sass DIR/*.cubin`")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the compile cache")
     p.add_argument("--progress", action="store_true",
                    help="print one line per stage to stderr (default: only when stderr is a terminal)")
@@ -298,6 +302,13 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     print(report.text())
     if report.pipeline is not None and report.pipeline.dump_paths:
         print(f"IR dumps   {len(report.pipeline.dump_paths)} files in {args.dump_dir}")
+    if args.dump_kernels:
+        out = Path(args.dump_kernels)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, blob in sorted(program.kernels.items()):
+            (out / name).write_bytes(blob)
+        print(f"kernels    {len(program.kernels)} files in {out}" if program.kernels else
+              f"kernels    none ({program.target} runs the IR interpreter)")
     size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     digest = f", sha256 {sha256_bytes(path.read_bytes())}" if path.is_file() else ""
     print(f"wrote      {path} ({size:,} bytes{digest})")
@@ -365,9 +376,67 @@ def _cmd_targets(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench -------------------------------------------------------------------------------------
+def _register_bench(subparsers: Subparsers) -> None:
+    """Add `m3c bench`: prefill and decode throughput of an artifact (or the reference model)."""
+    p = subparsers.add_parser(
+        "bench",
+        help="time prefill and greedy decode of an artifact (or a preset's reference model)",
+        description=(
+            "Runs one warm-up generation, then times a prefill of --batch random prompts of --prompt-tokens "
+            "tokens and --decode-steps greedy decode steps on a fresh paged cache. Prints prefill tokens/s and "
+            "decode ms/step and tokens/s. With --json, the numbers as JSON."
+        ),
+        epilog="examples:\n  m3c bench tiny.m3c --prompt-tokens 512 --batch 4\n"
+        "  m3c bench --preset m3.1-tiny --device cpu   # the reference model",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("artifact", nargs="?", help="an artifact from `m3c compile` (default: the reference model)")
+    p.add_argument("--preset", default="m3.1-tiny", help="reference model preset when no artifact is given")
+    p.add_argument("--prompt-tokens", type=int, default=128, metavar="N", help="tokens per prompt (default: 128)")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="concurrent requests (default: 1)")
+    p.add_argument("--decode-steps", type=int, default=16, metavar="K", help="timed decode steps (default: 16)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed of the reference model (default: 0)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default: auto)")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Run `m3c bench`."""
+    from m3c.errors import ShapeError
+    from m3c.model_defs.checkpoint import build_model
+    from m3c.runtime.artifact import load_artifact
+    from m3c.runtime.bench import random_prompts, timed_generation
+    from m3c.runtime.executor import Executor
+    from m3c.runtime.reference import resolve_device
+
+    if args.prompt_tokens < 1 or args.batch < 1 or args.decode_steps < 1:
+        raise ShapeError("--prompt-tokens, --batch and --decode-steps must be >= 1")
+    device = resolve_device(args.device)
+    if args.artifact:
+        loaded = load_artifact(args.artifact, device)
+        if loaded.cfg is None:
+            raise ShapeError(f"{args.artifact}: not an M3 model artifact, nothing to generate with")
+        cfg, step, what = loaded.cfg, Executor(loaded, device), f"{args.artifact} ({loaded.program.target})"
+    else:
+        cfg = get_preset(args.preset)
+        step, what = build_model(cfg, seed=args.seed, device=device), f"{cfg.name} reference"
+    r = timed_generation(step, cfg, random_prompts(cfg, args.batch, args.prompt_tokens), args.decode_steps, device)
+    r.pop("tokens")
+    if args.json:
+        print(json.dumps({"what": what, "device": device, "batch": args.batch, "prompt_tokens": args.prompt_tokens,
+                          "decode_steps": args.decode_steps, **r}, indent=2))
+    else:
+        print(f"{what} on {device}: prefill {args.batch}×{args.prompt_tokens} tokens {r['prefill_s'] * 1e3:.1f} ms "
+              f"({r['prefill_tok_s']:,.0f} tok/s); decode {r['decode_ms_per_step']:.2f} ms/step "
+              f"({r['decode_tok_s']:,.1f} tok/s)")
+    return 0
+
+
 # ---- entry point -----------------------------------------------------------------------------
 COMMANDS: list[Callable[[Subparsers], None]] = [
-    _register_compile, _register_inspect, _register_run, _register_plan, _register_targets,
+    _register_compile, _register_inspect, _register_run, _register_bench, _register_plan, _register_targets,
 ]
 """Registrars, one per subcommand, in the order `m3c --help` lists them."""
 

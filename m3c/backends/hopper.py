@@ -1,7 +1,7 @@
 """Lowering for Hopper (sm_90a): fused ops with a kernel family get offline-compiled cubins; the rest runs
 through its torch reference on the GPU (listed in the launch plan's ``reference_ops``).
 
-Kernels are compiled per distinct layer shape (identical layers share one binary) in two tile
+Each kernel is stored as its cubin and its PTX. Kernels are compiled per distinct layer shape (identical layers share one binary) in two tile
 sets: ``decode`` (≤ 64 tokens, split-K so every SM streams weights) and ``prefill``. Prepacked
 weights (dequantized to the activation dtype, RoPE rows paired) are added to the Program's weights
 as ``<param>.qkv_packed``.
@@ -87,6 +87,7 @@ def lower_hopper(graph: Graph, options: CompileOptions, weights: Mapping[str, An
         plan.append(entry)
     for ck, (_, tiles) in zip(compile_kernels([s for s, _ in specs.values()]), specs.values()):
         kernels[f"{ck.key}.cubin"] = ck.binary
+        kernels[f"{ck.key}.ptx"] = ck.stages["ptx"].encode()  # kept for disassembly checks and --dump-kernels
         metas[ck.key] = ck.meta() | {"tiles": list(tiles)}
     plan.append({"kernel_meta": metas, "reference_ops": dict(sorted(reference_ops.items()))})
     return Program(target="hopper", graph=graph, weights=flat, options=options, kernels=kernels, launch_plan=plan)

@@ -19,7 +19,8 @@ def test_hopper_lowering_compiles_cubins_offline() -> None:
     entries = [e for e in program.launch_plan if e.get("kernels")]
     assert len(entries) == cfg.num_hidden_layers
     assert all(f"{k}.cubin" in program.kernels for e in entries for k in e["kernels"].values())
-    assert all(program.kernels[name][:4] == b"\x7fELF" for name in program.kernels)
+    assert all(program.kernels[n][:4] == b"\x7fELF" for n in program.kernels if n.endswith(".cubin"))
+    assert all(b".target sm_90a" in program.kernels[n] for n in program.kernels if n.endswith(".ptx"))
     assert all(e["weight"] in program.weights for e in entries)
     listed = next(e for e in program.launch_plan if "reference_ops" in e)["reference_ops"]
     assert "qkv_norm_rope_kvinsert" not in listed and "sparse_attention" in listed
@@ -46,3 +47,19 @@ def test_tiny_hopper_artifact_matches_reference_tokens(tmp_path) -> None:
     got = run_artifact(str(path), prompt_tokens=40, decode_steps=32, batch=2, device="cuda")
     ref = run_reference("m3.1-tiny", prompt_tokens=40, decode_steps=32, batch=2, device="cuda")
     assert got.result.tokens == ref.result.tokens
+
+
+def test_compile_dumps_kernel_stages(tmp_path, capsys) -> None:
+    """`m3c compile --target hopper --dump-kernels DIR` writes the PTX (sm_90a) and the cubin (ELF) of each kernel."""
+    from m3c.cli import main
+
+    out = tmp_path / "kernels"
+    assert main(["compile", "--preset", "m3.1-tiny", "--target", "hopper", "-o", str(tmp_path / "t.m3c"),
+                 "--no-cache", "--dump-kernels", str(out)]) == 0
+    ptx, cubins = sorted(out.glob("*.ptx")), sorted(out.glob("*.cubin"))
+    assert ptx and len(ptx) == len(cubins)
+    for p in ptx:
+        text = p.read_text()
+        assert ".target sm_90a" in text and ".entry qkv_norm_rope_kvinsert" in text
+    assert all(c.read_bytes()[:4] == b"\x7fELF" for c in cubins)
+    assert "kernels" in capsys.readouterr().out
