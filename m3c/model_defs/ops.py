@@ -111,6 +111,15 @@ def _requests(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table
         yield slice(starts[r], starts[r + 1]), length, block_table[r, :n_blocks]
 
 
+def _request_kv(k_data: torch.Tensor, k_scale: torch.Tensor | None, v_data: torch.Tensor,
+                v_scale: torch.Tensor | None, fmt: str, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                block_table: torch.Tensor, block_size: int):
+    """Per request: (its token rows, its dequantized K and V [length, heads, dim])."""
+    for rows, length, blocks in _requests(query_start_loc, seq_lens, block_table, block_size):
+        yield (rows, gather_dequant(k_data, k_scale, fmt, blocks, length),
+               gather_dequant(v_data, v_scale, fmt, blocks, length))
+
+
 @custom_op("m3c::indexer_block_scores", mutates_args=())
 def indexer_block_scores(
     index_q: torch.Tensor,
@@ -167,9 +176,8 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Exact attention over each query's selected blocks (request-relative block ids): [T, H, D]."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for rows, length, blocks in _requests(query_start_loc, seq_lens, block_table, block_size):
-        k = gather_dequant(k_data, k_scale, fmt, blocks, length)
-        v = gather_dequant(v_data, v_scale, fmt, blocks, length)
+    for rows, k, v in _request_kv(k_data, k_scale, v_data, v_scale, fmt, query_start_loc, seq_lens, block_table,
+                                  block_size):
         out[rows] = msa.msa_attention(q[rows], k, v, selected[rows], positions[rows], block_size, scale)
     return out
 
@@ -197,9 +205,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Dense causal GQA attention over each request's whole cached context: [T, H, D]."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for rows, length, blocks in _requests(query_start_loc, seq_lens, block_table, block_size):
-        k = gather_dequant(k_data, k_scale, fmt, blocks, length)
-        v = gather_dequant(v_data, v_scale, fmt, blocks, length)
+    for rows, k, v in _request_kv(k_data, k_scale, v_data, v_scale, fmt, query_start_loc, seq_lens, block_table,
+                                  block_size):
         out[rows] = msa.dense_causal_attention(q[rows], k, v, positions[rows], scale)
     return out
 

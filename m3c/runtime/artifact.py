@@ -36,6 +36,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from safetensors.torch import load as load_safetensors
 
 from m3c.backends.options import CompileOptions
 from m3c.backends.program import Program
@@ -350,7 +351,7 @@ def load_artifact(path: str | Path, device: torch.device | str | None = None, *,
         raise ArtifactError(f"{box.path}: the graph's hash differs from the manifest's ({want}); the artifact is "
                             "inconsistent, compile it again")
     try:
-        weights = safetensors.torch.load(files[WEIGHTS])
+        weights = load_safetensors(files[WEIGHTS])  # safetensors bytes: no code runs
     except Exception as e:  # safetensors raises its own error types
         raise ArtifactError(f"{box.path}: {WEIGHTS} is not a readable safetensors file ({e}); compile it again") from None
     if device is not None:
