@@ -118,14 +118,12 @@ def check_cubin(cubin_dir: Path, shape, x, w, cos, sin, slots, norms, caches, ep
     meta = json.loads((cubin_dir / "qkv.json").read_text())
     kern = CubinKernel((cubin_dir / "qkv.cubin").read_bytes(), meta["name"], meta["shared_bytes"],
                        meta["num_warps"], meta["arg_types"])
-    bm = meta["block_m"]
     t = x.shape[0]
     fresh = [quant.NVFP4Tensor(c.data.clone().fill_(0xFF), c.scale.clone(), None) for c in caches]
     q = torch.empty((t, shape.num_q_heads, shape.head_dim), dtype=torch.bfloat16, device=x.device)
     iq = torch.empty((t, shape.num_index_heads, shape.head_dim), dtype=torch.bfloat16, device=x.device)
     wp = qf.prepack_weight(w, shape)
-    args = (*qf.fused_args(x, wp, cos, sin, slots, norms, *fresh, shape, eps, q, iq), t, x.shape[1], eps)
-    grid = ((t + bm - 1) // bm * shape.num_heads,)
+    grid, args = qf.fused_launch(x, wp, cos, sin, slots, norms, *fresh, shape, eps, tuple(meta["tiles"]), q, iq)
     kern(grid, *args)
     jit_caches = [quant.NVFP4Tensor(c.data.clone().fill_(0xFF), c.scale.clone(), None) for c in caches]
     qj, _ = qf.launch_fused(x, wp, cos, sin, slots, norms, *jit_caches, shape, eps,

@@ -102,17 +102,7 @@ def reachable(g: Graph, src_node: Node, dst_node: Node) -> bool:
     if src_node is dst_node:
         return True
     pos = {n: i for i, n in enumerate(g.nodes)}
-    limit = pos[dst_node]
-    succ = _successors(g)
-    stack, seen = [src_node], {src_node}
-    while stack:
-        for s in succ.get(stack.pop(), ()):
-            if s is dst_node:
-                return True
-            if s not in seen and pos[s] < limit:
-                seen.add(s)
-                stack.append(s)
-    return False
+    return _reaches(_successors(g), pos, [src_node], {dst_node}, pos[dst_node])
 
 
 def would_create_cycle(g: Graph, group: set[Node]) -> bool:
@@ -122,11 +112,20 @@ def would_create_cycle(g: Graph, group: set[Node]) -> bool:
     pos = {n: i for i, n in enumerate(g.nodes)}
     limit = max(pos[m] for m in group)
     succ = _successors(g)
-    stack = [s for m in group for s in succ.get(m, ()) if s not in group and pos[s] < limit]
-    seen = set(stack)
+    outside = [s for m in group for s in succ.get(m, ()) if s not in group and pos[s] < limit]
+    return _reaches(succ, pos, outside, group, limit)
+
+
+def _reaches(succ: dict, pos: dict, starts: list, targets: set, limit: int) -> bool:
+    """Whether a path from `starts` reaches a node of `targets`, walking only nodes placed before `limit`.
+
+    In program order every edge points forward, so nothing at or after `limit` can lead back to a
+    target placed before it.
+    """
+    stack, seen = list(starts), set(starts)
     while stack:
         for s in succ.get(stack.pop(), ()):
-            if s in group:
+            if s in targets:
                 return True
             if s not in seen and pos[s] < limit:
                 seen.add(s)

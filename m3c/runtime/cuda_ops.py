@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from m3c.backends.hopper import DECODE_MAX_TOKENS, compiled_kernels, qkv_shape
-from m3c.backends.kernels.qkv_fused_launch import fused_args
+from m3c.backends.kernels.qkv_fused_launch import fused_launch, make_outputs
 from m3c.backends.program import Program
 from m3c.ir.graph import Node
 from m3c.ir.interpreter import OpImpl
@@ -28,14 +28,7 @@ class QKVLauncher:
         self.tiles = {key: m["tiles"] for key, m in metas.items()}
         self.entries = {e["output"]: e for e in program.launch_plan if e.get("kernels")}
         self.packed = {e["weight"]: program.weights[e["weight"]].to(device) for e in self.entries.values()}
-        self.workspaces: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.launches = 0
-
-    def _workspace(self, key: str, floats: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if (key, tiles) not in self.workspaces:
-            self.workspaces[(key, tiles)] = (torch.empty(floats, dtype=torch.float32, device=device),
-                                             torch.zeros(tiles, dtype=torch.int32, device=device))
-        return self.workspaces[(key, tiles)]
 
     def __call__(self, node: Node, args: list[Any], attrs: dict[str, Any]) -> Any:
         """Launch the node's kernel; returns q (, index-q) like the reference."""
@@ -49,20 +42,13 @@ class QKVLauncher:
         t = x.shape[0]
         phase = "decode" if t <= 16 else "decode64" if t <= DECODE_MAX_TOKENS else "prefill"
         key = entry["kernels"][phase]
-        bm, _, _, _, split = self.tiles[key]
         x = x.contiguous()
-        q = torch.empty((t, shape.num_q_heads, shape.head_dim), dtype=x.dtype, device=x.device)
-        iq = torch.empty((t, max(shape.num_index_heads, 1), shape.head_dim), dtype=x.dtype, device=x.device)
+        q, iq = make_outputs(x, shape)
         norms = (qn, kn, iqn, ikn) if shape.num_index_heads else (qn, kn)
         cos, sin = cos.float().contiguous(), sin.float().contiguous()  # the kernel reads float32 angles
-        cargs = fused_args(x, self.packed[entry["weight"]], cos, sin, slots, norms, kc, vc,
-                           ikc, shape, attrs["eps"], q, iq)
-        n_tiles = -(-t // bm) * shape.num_heads
-        if split > 1:
-            ws, cnt = self._workspace(key, split * n_tiles * bm * shape.head_dim, n_tiles, x.device)
-            self.kernels[key]((n_tiles * split,), *cargs, ws, cnt, t, x.shape[1], attrs["eps"])
-        else:
-            self.kernels[key]((n_tiles,), *cargs, t, x.shape[1], attrs["eps"])
+        grid, cargs = fused_launch(x, self.packed[entry["weight"]], cos, sin, slots, norms, kc, vc, ikc, shape,
+                                   attrs["eps"], tuple(self.tiles[key]), q, iq)
+        self.kernels[key](grid, *cargs)
         self.launches += 1
         return (q, iq) if shape.num_index_heads else (q,)
 

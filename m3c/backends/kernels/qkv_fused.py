@@ -166,6 +166,14 @@ def _head_epilogue(a1, a2, a3, h, rows_c, mask_m, cos_ptr, sin_ptr, slot_ptr,
 
 
 @triton.jit
+def _tile_rows(tile, NH: tl.constexpr, T, BLOCK_M: tl.constexpr):
+    """(head, clamped token rows, row mask) of a program tile numbered head-fastest."""
+    rows = (tile // NH) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rows < T
+    return tile % NH, tl.where(mask_m, rows, 0), mask_m
+
+
+@triton.jit
 def qkv_norm_rope_kvinsert_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr,
     qn_ptr, kn_ptr, iqn_ptr, ikn_ptr,
@@ -179,11 +187,7 @@ def qkv_norm_rope_kvinsert_kernel(
     """The fused op for prefill: program = (token tile, head), head fastest; W prepacked (see _split_head)."""
     R3: tl.constexpr = REST if REST > 0 else 2 * HALF
     NH: tl.constexpr = HQ + 2 * HKV + ((G + 1) if HAS_INDEX else 0)
-    pid = tl.program_id(0)
-    h = pid % NH
-    rows = (pid // NH) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = rows < T
-    rows_c = tl.where(mask_m, rows, 0)
+    h, rows_c, mask_m = _tile_rows(tl.program_id(0), NH, T, BLOCK_M)
     acc = _gemm_tile(x_ptr, w_ptr, rows_c, h * HEAD_DIM, 0, K, K, BLOCK_M, HEAD_DIM, BLOCK_K, UPCAST)
     a1, a2, a3 = _split_head(acc, BLOCK_M, HALF, REST)
     _head_epilogue(a1, a2, a3, h, rows_c, mask_m, cos_ptr, sin_ptr, slot_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr,
@@ -213,10 +217,7 @@ def qkv_norm_rope_kvinsert_splitk_kernel(
     pid = tl.program_id(0)
     sp = pid % SPLIT
     tile = pid // SPLIT
-    h = tile % NH
-    rows = (tile // NH) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = rows < T
-    rows_c = tl.where(mask_m, rows, 0)
+    h, rows_c, mask_m = _tile_rows(tile, NH, T, BLOCK_M)
     k_per = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
     k_lo = sp * k_per
     k_hi = tl.minimum(k_lo + k_per, K)
@@ -243,11 +244,7 @@ def qkv_norm_rope_kvinsert_splitk_kernel(
 def qkv_gemm_kernel(x_ptr, w_ptr, out_ptr, T, K, N, NH: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """The projection alone, same tiling and order, natural column order: out [T, N] (baseline / unfused)."""
-    pid = tl.program_id(0)
-    h = pid % NH
-    rows = (pid // NH) * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = rows < T
-    rows_c = tl.where(mask_m, rows, 0)
+    h, rows_c, mask_m = _tile_rows(tl.program_id(0), NH, T, BLOCK_M)
     acc = _gemm_tile(x_ptr, w_ptr, rows_c, h * HEAD_DIM, 0, K, K, BLOCK_M, HEAD_DIM, BLOCK_K, UPCAST)
     cols = h * HEAD_DIM + tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + rows_c[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),

@@ -105,7 +105,9 @@ def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Ten
     return _WORKSPACE[key]
 
 
-def _outputs(x: torch.Tensor, shape: QKVShape, q_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+def make_outputs(x: torch.Tensor, shape: QKVShape,
+                 q_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty q [T, HQ, D] and index-q [T, max(G, 1), D] outputs for the fused kernel."""
     t = x.shape[0]
     q_dtype = q_dtype or x.dtype
     q = torch.empty((t, shape.num_q_heads, shape.head_dim), dtype=q_dtype, device=x.device)
@@ -124,6 +126,24 @@ def fused_args(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.T
             v_cache.scale, ik.data, ik.scale)
 
 
+def fused_launch(x: torch.Tensor, w_packed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slot_mapping: torch.Tensor, norms: tuple[torch.Tensor, ...], k_cache: Any, v_cache: Any,
+                 ik_cache: Any, shape: QKVShape, eps: float, tiles: Tiles, q: torch.Tensor,
+                 iq: torch.Tensor) -> tuple[tuple[int], tuple]:
+    """(grid, runtime arguments in signature order) of one fused launch, split-K workspace included.
+
+    The same for Triton's launcher and for the cubin launcher of a compiled program.
+    """
+    t, k = x.shape
+    bm, _, _, _, split = tiles
+    args = fused_args(x, w_packed, cos, sin, slot_mapping, norms, k_cache, v_cache, ik_cache, shape, eps, q, iq)
+    n_tiles = triton.cdiv(t, bm) * shape.num_heads
+    if split > 1:
+        ws, cnt = _workspace(x.device, split * n_tiles * bm * shape.head_dim, n_tiles)
+        return (n_tiles * split,), (*args, ws, cnt, t, k, eps)
+    return (n_tiles,), (*args, t, k, eps)
+
+
 def launch_fused(x: torch.Tensor, w_packed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slot_mapping: torch.Tensor, norms: tuple[torch.Tensor, ...], k_cache: Any, v_cache: Any,
                  ik_cache: Any, shape: QKVShape, eps: float, q_dtype: torch.dtype | None = None,
@@ -133,20 +153,17 @@ def launch_fused(x: torch.Tensor, w_packed: torch.Tensor, cos: torch.Tensor, sin
     `norms` = (q_norm, k_norm, index_q_norm, index_k_norm) (the last two unused on dense layers).
     Returns q [T, HQ, D] and index-q [T, G, D] (None on dense layers).
     """
-    t, k = x.shape
-    bm, bk, warps, stages, split = tiles or pick_tiles(t)
-    q, iq = _outputs(x, shape, q_dtype)
-    args = fused_args(x, w_packed, cos, sin, slot_mapping, norms, k_cache, v_cache, ik_cache, shape, eps, q, iq)
-    n_tiles = triton.cdiv(t, bm) * shape.num_heads
+    bm, bk, warps, stages, split = tiles = tiles or pick_tiles(x.shape[0])
+    q, iq = make_outputs(x, shape, q_dtype)
+    grid, args = fused_launch(x, w_packed, cos, sin, slot_mapping, norms, k_cache, v_cache, ik_cache, shape, eps,
+                              tiles, q, iq)
     consts = shape.constexprs(bm, bk)
     if split > 1:
-        ws, cnt = _workspace(x.device, split * n_tiles * bm * shape.head_dim, n_tiles)
-        qkv_norm_rope_kvinsert_splitk_kernel[(n_tiles * split,)](
-            *args, ws, cnt, t, k, eps, **consts, SPLIT=split, num_warps=warps, num_stages=stages,
-            enable_fp_fusion=False)
+        qkv_norm_rope_kvinsert_splitk_kernel[grid](*args, **consts, SPLIT=split, num_warps=warps,
+                                                   num_stages=stages, enable_fp_fusion=False)
     else:
-        qkv_norm_rope_kvinsert_kernel[(n_tiles,)](
-            *args, t, k, eps, **consts, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        qkv_norm_rope_kvinsert_kernel[grid](*args, **consts, num_warps=warps, num_stages=stages,
+                                            enable_fp_fusion=False)
     return q, (iq if shape.num_index_heads else None)
 
 
@@ -174,7 +191,7 @@ def launch_unfused(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
     bm = (tiles or pick_tiles(t))[0]
     qkv = torch.empty((t, shape.num_heads * shape.head_dim), dtype=qkv_dtype or x.dtype, device=x.device)
     launch_gemm(x, w, qkv, shape, tiles)
-    q, iq = _outputs(x, shape, q_dtype)
+    q, iq = make_outputs(x, shape, q_dtype)
     args = fused_args(x, w, cos, sin, slot_mapping, norms, k_cache, v_cache, ik_cache, shape, eps, q, iq)[2:]
     consts = shape.constexprs(bm, 0)
     for key in ("BLOCK_K", "UPCAST"):
