@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,27 @@ class KernelSpec:
 
     def key(self) -> str:
         """A stable name for this specialization (family + sha of the constants and options)."""
+        cached = self.__dict__.get("_key")
+        if cached is not None:
+            return cached
         blob = json.dumps([self.family, self.arg_types, {k: repr(v) for k, v in self.constexprs.items()},
                            self.num_warps, self.num_stages, list(self.divisible_16), self.enable_fp_fusion],
                           sort_keys=True)
-        return f"{self.family}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+        key = f"{self.family}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+        object.__setattr__(self, "_key", key)  # frozen: specs are immutable, so the key is too
+        return key
+
+
+Runner = Callable[[KernelSpec, tuple[int, ...], Sequence[Any]], None]
+"""Launches one kernel: ``runner(spec, grid, runtime_args)``. Host launchers take a runner so the same
+argument-building code serves Triton's JIT (:func:`jit_run`, also the CPU interpreter) and the
+runtime's offline-compiled cubins (``m3c.runtime.cuda_launcher.CubinRunner``, found by ``spec.key()``)."""
+
+
+def jit_run(spec: KernelSpec, grid: tuple[int, ...], args: Sequence[Any]) -> None:
+    """Launch `spec` through Triton's JIT (on the GPU, or in the interpreter under TRITON_INTERPRET=1)."""
+    spec.fn[grid](*args, **spec.constexprs, num_warps=spec.num_warps, num_stages=spec.num_stages,
+                  enable_fp_fusion=spec.enable_fp_fusion)
 
 
 @dataclass

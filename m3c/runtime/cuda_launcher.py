@@ -71,3 +71,27 @@ class CubinKernel:
         stream = torch.cuda.current_stream().cuda_stream
         _check(self.cu.cuLaunchKernel(self.func, gx, gy, gz, self.threads, 1, 1, self.shared, stream,
                                       (tuple(values), tuple(types)), 0), "cuLaunchKernel")
+
+
+class MissingKernelError(M3CError, LookupError):
+    """A launch asked for a kernel specialization the program was not compiled with."""
+
+
+class CubinRunner:
+    """A :data:`m3c.backends.triton_aot.Runner` over a program's loaded cubins, found by ``spec.key()``."""
+
+    def __init__(self, kernels: dict[str, CubinKernel]) -> None:
+        self.kernels = kernels
+        self.launches = 0
+
+    def __call__(self, spec: Any, grid: tuple[int, ...], args: Any) -> None:
+        """Launch the cubin compiled for `spec` over `grid`."""
+        kernel = self.kernels.get(spec.key())
+        if kernel is None:
+            have = sorted(k for k in self.kernels if k.startswith(spec.family))
+            raise MissingKernelError(
+                f"the program has no compiled {spec.family} kernel for this launch (key {spec.key()}; it has "
+                f"{have or 'none of this family'}); the runtime shapes need a specialization the compile did not "
+                "make — recompile the artifact with this m3c version and the cache shapes you run")
+        kernel(grid, *args)
+        self.launches += 1

@@ -1,0 +1,46 @@
+"""Device helpers that decode the narrow float codes of m3c's formats into float32, exactly.
+
+All work on int32 tensors holding the raw bits and build float32 bit patterns, so they are exact
+on every GPU and in Triton's CPU interpreter (whose float8 conversions are not trustworthy):
+
+- ``e2m1_to_f32``: NVFP4 element codes (0..15: sign, 2 exponent bits, 1 mantissa bit);
+- ``e4m3_to_f32``: E4M3 bytes (NVFP4 block scales, FP8 values; subnormals, NaN for 0x7F / 0xFF);
+- ``e8m0_to_f32``: E8M0 bytes (MXFP8 block scales: 2^(byte - 127); 0xFF is NaN).
+
+A packed NVFP4 byte holds element 2i in its low nibble and 2i+1 in its high nibble.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e2m1_to_f32(c):
+    """E2M1 codes (int32, 0..15) -> float32 values."""
+    e = (c >> 1) & 3
+    m = c & 1
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))  # e == 0: 0 or 0.5
+    mag = bits.to(tl.float32, bitcast=True)
+    return tl.where(c >= 8, -mag, mag)
+
+
+@triton.jit
+def e4m3_to_f32(s):
+    """E4M3 bytes (int32, 0..255) -> float32 values (subnormals; NaN for 0x7F / 0xFF)."""
+    e = (s >> 3) & 15
+    m = s & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    mag = tl.where((s & 0x7F) == 0x7F, (s * 0 + 0x7FC00000).to(tl.float32, bitcast=True), mag)
+    return tl.where(s >= 128, -mag, mag)
+
+
+@triton.jit
+def e8m0_to_f32(s):
+    """E8M0 bytes (int32, 0..255) -> 2^(s - 127) as float32 (0 -> 2^-127, a subnormal; 255 -> NaN)."""
+    normal = (s << 23).to(tl.float32, bitcast=True)
+    sub = tl.full(s.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True)  # 2^-127
+    nan = tl.full(s.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(s == 255, nan, tl.where(s == 0, sub, normal))
