@@ -48,6 +48,13 @@ def main() -> None:
     prompts = random_prompts(cfg, args.batch, args.prompt_tokens)
     rows = {"m3c_" + target: timed_generation(compiled, cfg, prompts, args.decode_steps, device)}
     print("m3c", {k: v for k, v in rows["m3c_" + target].items() if k != "tokens"}, flush=True)
+    if cuda:
+        from m3c.runtime.cuda_graphs import GraphedStep
+
+        graphed = GraphedStep(compiled.executor)
+        rows[f"m3c_{target}_cuda_graphs"] = timed_generation(graphed, cfg, prompts, args.decode_steps, device)
+        rows[f"m3c_{target}_cuda_graphs"]["graphs"] = graphed.eager_reason or f"{graphed.replays} replays"
+        print("m3c graphs", {k: v for k, v in rows[f"m3c_{target}_cuda_graphs"].items() if k != "tokens"}, flush=True)
     rows["reference_eager"] = timed_generation(eager, cfg, prompts, args.decode_steps, device)
     print("eager", {k: v for k, v in rows["reference_eager"].items() if k != "tokens"}, flush=True)
     if not args.no_torch_compile:

@@ -185,6 +185,8 @@ def _register_run(subparsers: Subparsers) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random prompts, and of the random weights of a --preset (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default: %(default)s)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run every decode step eagerly (default: an artifact's decode steps replay CUDA graphs on a GPU)")
     p.set_defaults(func=_cmd_run)
 
 
@@ -197,7 +199,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise UsageError("m3c run ARTIFACT: --preset, --checkpoint and --kv-cache-dtype belong to reference "
                              "runs; the artifact fixes its model and formats (recompile to change them)")
         report = run_artifact(args.artifact, prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps,
-                              batch=args.batch, prefill_chunk=args.prefill_chunk, seed=args.seed, device=args.device)
+                              batch=args.batch, prefill_chunk=args.prefill_chunk, seed=args.seed, device=args.device,
+                              cuda_graphs=not args.no_cuda_graphs)
         print(report.text())
         return 0
     from m3c.runtime.reference import run_reference
@@ -399,6 +402,8 @@ def _register_bench(subparsers: Subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="weights seed of the reference model (default: 0)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default: auto)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="time eager decode steps (default: an artifact's decode steps replay CUDA graphs on a GPU)")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -419,18 +424,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if loaded.cfg is None:
             raise ShapeError(f"{args.artifact}: not an M3 model artifact, nothing to generate with")
         cfg, step, what = loaded.cfg, Executor(loaded, device), f"{args.artifact} ({loaded.program.target})"
+        if device == "cuda" and not args.no_cuda_graphs:
+            from m3c.runtime.cuda_graphs import GraphedStep
+
+            step = GraphedStep(step)
     else:
         cfg = get_preset(args.preset)
         step, what = build_model(cfg, seed=args.seed, device=device), f"{cfg.name} reference"
     r = timed_generation(step, cfg, random_prompts(cfg, args.batch, args.prompt_tokens), args.decode_steps, device)
     r.pop("tokens")
+    if hasattr(step, "replays"):
+        r["cuda_graphs"] = step.eager_reason or f"decode replayed {step.replays}×"
     if args.json:
         print(json.dumps({"what": what, "device": device, "batch": args.batch, "prompt_tokens": args.prompt_tokens,
                           "decode_steps": args.decode_steps, **r}, indent=2))
     else:
         print(f"{what} on {device}: prefill {args.batch}×{args.prompt_tokens} tokens {r['prefill_s'] * 1e3:.1f} ms "
               f"({r['prefill_tok_s']:,.0f} tok/s); decode {r['decode_ms_per_step']:.2f} ms/step "
-              f"({r['decode_tok_s']:,.1f} tok/s)")
+              f"({r['decode_tok_s']:,.1f} tok/s)" + (f"; CUDA graphs: {r['cuda_graphs']}" if "cuda_graphs" in r else ""))
     return 0
 
 

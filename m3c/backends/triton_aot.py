@@ -104,35 +104,56 @@ class CompiledKernel:
 
 def compile_kernels(specs: list[KernelSpec], backend: str = "cuda", arch: int | str = 90, warp_size: int = 32,
                     target_name: str = "hopper") -> list[CompiledKernel]:
-    """Compile several specializations; under TRITON_INTERPRET=1 (where @triton.jit functions are
-    interpreted and cannot be compiled) they are compiled in one clean child process instead."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    """Compile several specializations, in parallel child processes (one per core, at most 8).
+
+    Under TRITON_INTERPRET=1 (where @triton.jit functions are interpreted and cannot be compiled) the
+    children run without it; a single spec outside the interpreter compiles in this process.
+    """
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    workers = min(len(specs), os.cpu_count() or 1, 8)
+    if not specs:
+        return []
+    if workers <= 1 and not interp:
         return [compile_kernel(s, backend, arch, warp_size, target_name) for s in specs]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out: list[CompiledKernel | None] = [None] * len(specs)
     with tempfile.TemporaryDirectory() as tmp:
-        job = [{"module": s.fn.fn.__module__ if hasattr(s.fn, "fn") else s.fn.__module__,
-                "name": s.fn.__name__, "family": s.family, "arg_types": s.arg_types, "constexprs": s.constexprs,
-                "num_warps": s.num_warps, "num_stages": s.num_stages, "divisible_16": list(s.divisible_16),
-                "enable_fp_fusion": s.enable_fp_fusion} for s in specs]
-        (Path(tmp) / "job.json").write_text(json.dumps({"specs": job, "backend": backend, "arch": arch,
-                                                        "warp_size": warp_size, "target": target_name}))
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        proc = subprocess.run([sys.executable, "-m", "m3c.backends.triton_aot", tmp], env=env,
-                              capture_output=True, text=True)
-        if proc.returncode:
-            raise KernelCompileError(f"offline kernel compile failed in the child process:\n{proc.stderr[-3000:]}")
-        out = []
-        for i in range(len(specs)):
-            meta = json.loads((Path(tmp) / f"{i}.json").read_text())
-            out.append(CompiledKernel(meta["key"], meta["family"], meta["name"], (Path(tmp) / f"{i}.bin").read_bytes(),
-                                      meta["shared_bytes"], meta["num_warps"], meta["arg_names"], meta["arg_types"],
-                                      meta["target"], meta["stages"]))
-        return out
+        procs = []
+        for w in range(max(workers, 1)):
+            mine = list(range(w, len(specs), max(workers, 1)))
+            d = Path(tmp) / str(w)
+            d.mkdir()
+            job = [{"index": i, "module": specs[i].fn.fn.__module__ if hasattr(specs[i].fn, "fn")
+                    else specs[i].fn.__module__, "name": specs[i].fn.__name__, "family": specs[i].family,
+                    "arg_types": specs[i].arg_types, "constexprs": specs[i].constexprs,
+                    "num_warps": specs[i].num_warps, "num_stages": specs[i].num_stages,
+                    "divisible_16": list(specs[i].divisible_16), "enable_fp_fusion": specs[i].enable_fp_fusion}
+                   for i in mine]
+            (d / "job.json").write_text(json.dumps({"specs": job, "backend": backend, "arch": arch,
+                                                    "warp_size": warp_size, "target": target_name}))
+            with open(d / "log", "w") as log:  # a file, not a pipe: no child can block on a full pipe
+                procs.append((subprocess.Popen([sys.executable, "-m", "m3c.backends.triton_aot", str(d)], env=env,
+                                               stdout=log, stderr=subprocess.STDOUT), d))
+        for p, d in procs:
+            if p.wait():
+                err = (d / "log").read_text()
+                raise KernelCompileError(f"offline kernel compile failed in a child process:\n{err[-3000:]}")
+        for w in range(max(workers, 1)):
+            d = Path(tmp) / str(w)
+            for j in json.loads((d / "job.json").read_text())["specs"]:
+                i = j["index"]
+                meta = json.loads((d / f"{i}.json").read_text())
+                out[i] = CompiledKernel(specs[i].key(), meta["family"], meta["name"], (d / f"{i}.bin").read_bytes(),
+                                        meta["shared_bytes"], meta["num_warps"], meta["arg_names"],
+                                        meta["arg_types"], meta["target"], meta["stages"])
+    return [c for c in out if c is not None]
 
 
 def _child(tmp: str) -> None:
     """Child-process entry of compile_kernels: compile the job in `tmp` and write binaries + metadata."""
     job = json.loads((Path(tmp) / "job.json").read_text())
-    for i, j in enumerate(job["specs"]):
+    for j in job["specs"]:
+        i = j["index"]
         fn = getattr(importlib.import_module(j["module"]), j["name"])
         spec = KernelSpec(j["family"], fn, j["arg_types"], j["constexprs"], j["num_warps"], j["num_stages"],
                           tuple(j["divisible_16"]), j["enable_fp_fusion"])

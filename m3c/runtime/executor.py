@@ -135,19 +135,24 @@ class ArtifactRunReport(RunReport):
 
     artifact: str = ""
     target: str = ""
+    graphs: str = ""
 
     def text(self) -> str:
         """A short human-readable report."""
-        return super().text().replace(f"path: reference on {self.device}",
+        text = super().text().replace(f"path: reference on {self.device}",
                                       f"path: artifact {self.artifact} ({self.target} target) on {self.device}")
+        return text + (f"\ngraphs    {self.graphs}" if self.graphs else "")
 
 
 def run_artifact(path: str, prompt_tokens: int = 40, decode_steps: int = 16, batch: int = 1,
-                 prefill_chunk: int | None = None, seed: int = 0, device: str = "auto") -> ArtifactRunReport:
+                 prefill_chunk: int | None = None, seed: int = 0, device: str = "auto",
+                 cuda_graphs: bool = True) -> ArtifactRunReport:
     """Load an artifact, prefill `batch` random prompts and decode greedily through the Executor.
 
     Prompts are drawn exactly as :func:`m3c.runtime.reference.run_reference` draws them for the
-    same `seed`, so a compiled run and a reference run of the same weights can be compared.
+    same `seed`, so a compiled run and a reference run of the same weights can be compared. On a GPU,
+    decode steps replay CUDA graphs (:class:`m3c.runtime.cuda_graphs.GraphedStep`) unless `cuda_graphs`
+    is False or the program still runs host-synchronizing references (the report says which).
     """
     from m3c.model_defs.generate import greedy_generate, make_cache
     from m3c.runtime.reference import resolve_device
@@ -160,10 +165,19 @@ def run_artifact(path: str, prompt_tokens: int = 40, decode_steps: int = 16, bat
     if cfg is None:
         raise ShapeError(f"{path}: not an M3 model artifact (no config), so `m3c run` cannot generate with it; "
                          "load it with m3c.load_artifact and call Executor.run")
-    executor = Executor(loaded, dev)
+    executor: Any = Executor(loaded, dev)
+    graphs = ""
+    if cuda_graphs and torch.device(dev).type == "cuda":
+        from m3c.runtime.cuda_graphs import GraphedStep
+
+        executor = GraphedStep(executor)
     gen = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
     cache = make_cache(cfg, prompt_tokens + decode_steps + 1, batch, device=dev)
     result = greedy_generate(executor, cache, prompts, decode_steps, prefill_chunk)
+    if hasattr(executor, "replays"):
+        graphs = (f"decode steps eager: {executor.eager_reason}" if executor.eager_reason
+                  else f"decode replayed CUDA graphs {executor.replays}× ({len(executor.graphs)} captured)")
 
-    return ArtifactRunReport(cfg, dev, prompt_tokens, batch, result, artifact=str(path), target=loaded.target)
+    return ArtifactRunReport(cfg, dev, prompt_tokens, batch, result, artifact=str(path), target=loaded.target,
+                             graphs=graphs)
