@@ -1,49 +1,81 @@
-"""MSA sparse-attention decode over the paged NVFP4 K/V caches: Triton device code and host launcher.
+"""MSA sparse attention over the paged NVFP4 K/V caches: Triton decode and prefill kernels, runner-based launches.
 
 Semantics are those of :func:`m3c.model_defs.ops.sparse_attention` (the reference): every query head
 attends, with an exact softmax, to the keys ``j <= position`` of the blocks its GQA group selected
 (request-relative ids, ``-1`` ignored, duplicates counted once); a head with no such key outputs zeros.
 
-Design.
-- One program per (query row t, KV group g, split sp), split fastest. The group's ``H / KVH`` query
-  heads (16 on M3.1's TP4 slice; padded to BLOCK_H >= 16 rows for the MMA) are the M dimension, so one
-  pass over a block serves all of them: QK^T is a [heads, BLOCK_N] dot, P·V a [heads, D] dot, over
-  BLOCK_N-key sub-tiles of each selected block (bounds the registers).
+Launch. :func:`msa_sparse_attention` picks a kernel from static facts only (shapes, never values):
+``T <= max_q_rows * R`` (T query rows, R requests: decode and speculative rows, at most ``max_q_rows`` a
+request on average) runs the decode kernel, anything larger (a batch that holds a prefill chunk) the
+prefill kernel for the whole batch. Every launch goes through ``runner(spec, grid, runtime_args)``
+(:data:`m3c.backends.triton_aot.Runner`): Triton's JIT by default, or the runtime's offline-compiled
+cubins; :func:`attention_specs` lists every :class:`KernelSpec` the launcher can produce for a layout
+(constexprs are layout facts plus the decode split, bucketed to powers of two <= min(top_k, 16)).
+No host synchronization anywhere (no .item(), no value-dependent shapes): CUDA-graph capturable, with
+fixed grids for a given (T, R); workspaces are persistent per (device, shape).
+
+Common device design.
+- The group's ``H / KVH`` query heads (16 on M3.1's TP4 slice) are (part of) the MMA M dimension, so one
+  pass over a block serves all of them. QK^T and P·V run over BLOCK_N-key sub-tiles of each block.
 - NVFP4 is dequantized in registers from the packed bytes (E2M1 and E4M3 decoded by bit arithmetic,
   exact in the interpreter too); dequantized K/V never reach HBM. The low/high nibbles are kept
   apart: even and odd head-dim columns form two half-width dots (q_even·k_even + q_odd·k_odd, and
   P·v_even, P·v_odd), so no nibble interleaving shuffles are needed; the output store re-interleaves.
-- Flash-decoding: the top-k selection is dealt strided over SPLIT programs (entry i goes to split
-  i % SPLIT, so ``-1`` padding spreads evenly); each runs an online softmax over its blocks and writes
-  (m, l, unnormalized acc) into a float32 workspace; the last split to finish (an atomic counter,
-  reset to 0 again, so CUDA-graph replays work) merges all partials exactly in a fixed order
-  (rescale by exp(m_i - m)). SPLIT == 1 writes the output directly.
-- The loop is branch-free so Triton's pipeliner can prefetch the next sub-tile (cp.async): entries
-  that are ``-1``, out of the request's range, duplicates (counted once, as in the reference) or in
-  the query's future, and keys past the position inside the own block, are masked out of the loads
-  (no memory traffic; their arithmetic is wasted, which matters only for the own block's tail and
-  short contexts with fewer than top_k blocks).
+- Loops are branch-free so Triton's pipeliner can prefetch the next sub-tile (cp.async): masked-out
+  keys (``-1`` entries, out of range, duplicates, the query's future) are masked out of the loads (no
+  memory traffic; only their arithmetic is wasted).
 - Dots: float32 ``ieee`` in the interpreter (its bf16 dots are wrong); on a GPU bf16 tensor-core dots
   for bf16 q (dequantized K/V have <= 6 significant bits, so they are exact in bf16; P is rounded to
-  bf16), ``tf32x3`` for float32 q. Tiles are not measured on a GPU; they come from offline sm_90a
-  compiles (D=128, block 128, 16 heads, 3 stages, no spills): bf16 q BLOCK_N=64 with 4 warps (~170-200
-  registers, code bytes and scale tiles both cp.async-pipelined); float32 q BLOCK_N=32 with 8 warps
-  (~180 registers). BLOCK_N=128 spills.
+  bf16), ``tf32x3`` for float32 q.
+- Tiles are not yet measured on a GPU; they come from offline sm_90a compiles with Triton 3.9 (cuobjdump:
+  no spills): decode bf16 q BLOCK_N=64, 4 warps, 3 stages (146-197 registers over the split buckets),
+  float32 q BLOCK_N=32, 8 warps (174-182); prefill see :func:`prefill_config`.
 
-Byte floor per decode step and KV head: the selected blocks' K and V, e.g. 16 blocks × 128 tokens ×
-2 (K, V) × 72 B (64 B codes + 8 B scales at D=128) = 294,912 B (288 KiB) per query row; q and out are
-negligible. The host launcher never synchronizes (no .item()/.tolist()): the token→request map is a
-device searchsorted (or passed in, computed once per step for all layers).
+Decode kernel (``msa_decode_kernel``): one program per (query row t, KV group g, split sp), split
+fastest, the heads padded to BLOCK_H >= 16 rows. Flash-decoding: the top-k selection is dealt strided
+over SPLIT programs (entry i goes to split i % SPLIT, so ``-1`` padding spreads evenly); each runs an
+online softmax over its blocks and writes (m, l, unnormalized acc) into a float32 workspace; the last
+split to finish (an atomic counter, reset to 0 again, so CUDA-graph replays work) merges all partials
+exactly in a fixed order (rescale by exp(m_i - m)). SPLIT == 1 writes the output directly. SPLIT is
+the smallest power of two giving ~2 programs per SM (<= min(top_k, 16)). Byte floor per row and KV
+head: the selected blocks' K and V, 16 blocks × 128 tokens × 2 (K, V) × 72 B (64 B codes + 8 B
+scales at D=128) = 294,912 B (288 KiB), i.e. 0.07 µs at 4.28 TB/s: one row is latency-bound.
+
+Prefill kernel (``msa_prefill_kernel``): one program per (tile, KV group); a tile is ROWS consecutive
+query rows of ONE request (ROWS × the group's heads = the MMA M dim, 8 × 16 = 128 on M3.1). The grid
+is fixed by shapes, ``(T + R·(ROWS-1)) // ROWS`` tiles (an upper bound on sum_r ceil(rows_r / ROWS));
+each program finds its (request, first row) by a prefix sum over ``query_start_loc`` in registers and
+spare programs exit with nothing to do. It gathers the ROWS × top_k selection entries, drops invalid
+ones (``-1``, out of range, wholly in the row's future) and duplicates (an all-pairs compare of the
+<= ROWS·top_k entries, once per tile), and iterates over the UNION of the distinct blocks (the u-th
+distinct entry is picked by a rank computed with a prefix sum: no loop-carried state). Per key the
+mask is per (row, head): the key's block is in that row's own selection and its position <= the
+row's position. Online softmax per (row, head), no split (a 4K chunk has 512 tiles per KV group).
+Cost: every tile pays for the union, so rows that agree on their blocks (the usual case in a chunk)
+cost one pass; rows that all disagree cost up to ROWS passes (never worse than the decode kernel's
+one pass per row, and each block's dequant is shared by M = 128 rows instead of 16).
+
+Floor of a 4K-row prefill chunk at 1M context (one TP4 slice: 16 heads, 1 KV head, D=128, top-16
+blocks of 128, bf16 q): FLOPs 4096 × 16 × 2048 keys × 128 × 4 = 68.7 GFLOP (~92 µs at 750 TFLOP/s
+dense bf16); bytes: q + out 33.5 MB, K/V at most every block of the context once (8192 × 18 KiB =
+151 MB) and usually far fewer: <= 185 MB (~43 µs at 4.28 TB/s), so the chunk is compute-bound. With a
+union of U blocks per tile the kernel does U/16 × the floor's MMA work (U = 16 when a tile's rows
+agree), plus the dequant on CUDA cores (~32K values per tile and block, comparable to the MMA time at
+M = 128: expect ~2-3× the FLOP floor, ~0.2-0.3 ms). Dense causal attention of the same chunk over
+1M keys is 4096 × 16 × 1,048,576 × 128 × 4 = 35.2 TFLOP (>= 47 ms at 750 TFLOP/s): the sparse chunk
+does 1/512 of its FLOPs, so ~150-250× faster is the expectation (goal: >= 8×).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
 
@@ -206,6 +238,127 @@ def msa_decode_kernel(
             _store_out(out_ptr, q_off, hmask, o_lo, o_hi, l_sum)
 
 
+@triton.jit
+def _entries(sel_ptr, pos_ptr, trow, k, t_end, g, n_blocks, KVH: tl.constexpr, TOPK: tl.constexpr, BS: tl.constexpr):
+    """Selection entries (row trow, slot k) of group g as int32 block ids, -1 where invalid: a padding slot,
+    a row past t_end, a -1 entry, a block past the request's end or wholly in the row's future."""
+    ok = (k < TOPK) & (trow < t_end)
+    t64 = tl.where(ok, trow, 0).to(tl.int64)
+    b = tl.load(sel_ptr + (t64 * KVH + g) * TOPK + k, mask=ok, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + t64, mask=ok, other=-1).to(tl.int64)
+    return tl.where(ok & (b >= 0) & (b < n_blocks) & (b * BS <= pos), b, -1).to(tl.int32)
+
+
+@triton.jit
+def msa_prefill_kernel(
+    q_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, sel_ptr, pos_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr,
+    n_req, bt_stride, scale,
+    H: tl.constexpr, KVH: tl.constexpr, HG: tl.constexpr, HGP: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, RCH: tl.constexpr,
+    BF16_MMA: tl.constexpr, PREC: tl.constexpr,
+):
+    """Program = (tile, group g): ROWS consecutive rows of one request × the group's heads (M = ROWS·HGP),
+    attending over the union of the rows' selected blocks with a per-(row, head) mask."""
+    D2: tl.constexpr = D // 2
+    M: tl.constexpr = ROWS * HGP
+    C: tl.constexpr = ROWS * TOPK_P2
+    NSUB: tl.constexpr = BS // BLOCK_N
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+
+    # Which request and rows: tiles are numbered request by request, ceil(rows_r / ROWS) each.
+    r = tl.zeros([], tl.int32) - 1
+    t0 = tl.zeros([], tl.int32)
+    t_end = tl.zeros([], tl.int32)
+    base = tl.zeros([], tl.int32)
+    for r0 in range(0, n_req, RCH):
+        i = r0 + tl.arange(0, RCH)
+        ok = i < n_req
+        lo = tl.load(qsl_ptr + i, mask=ok, other=0)
+        hi = tl.load(qsl_ptr + i + 1, mask=ok, other=0)
+        n = tl.where(ok, (hi - lo + ROWS - 1) // ROWS, 0)
+        end = tl.cumsum(n, 0) + base
+        hit = (pid < end) & (pid >= end - n)
+        r = tl.maximum(r, tl.max(tl.where(hit, i, -1)))
+        t0 += tl.sum(tl.where(hit, lo + (pid - (end - n)) * ROWS, 0))
+        t_end += tl.sum(tl.where(hit, hi, 0))
+        base += tl.sum(n)
+    rs = tl.maximum(r, 0).to(tl.int64)
+    seq_len = tl.load(seqlen_ptr + rs).to(tl.int64)
+    n_blocks = (seq_len + BS - 1) // BS
+
+    # Query rows × heads as the M dimension.
+    m = tl.arange(0, M)
+    trow = t0 + m // HGP
+    mh = m % HGP
+    mok = (mh < HG) & (trow < t_end)
+    trow64 = tl.where(mok, trow, 0).to(tl.int64)
+    pos_m = tl.load(pos_ptr + trow64, mask=mok, other=-1).to(tl.int64)  # -1: sees no key
+    j = tl.arange(0, D2)
+    q_off = ((trow64 * H + g * HG + mh) * D)[:, None] + 2 * j[None, :]
+    q_lo = tl.load(q_ptr + q_off, mask=mok[:, None], other=0.0)
+    q_hi = tl.load(q_ptr + q_off + 1, mask=mok[:, None], other=0.0)
+    if not BF16_MMA:
+        q_lo = q_lo.to(tl.float32)
+        q_hi = q_hi.to(tl.float32)
+    # The union of the tile's valid entries (ROWS x TOPK_P2 candidates c = (row, k)): first occurrences,
+    # ranked by a prefix sum, each with the bitmask of the rows that selected it. Row by row, so the
+    # all-pairs compare stays [C, TOPK_P2].
+    c = tl.arange(0, C)
+    kk = tl.arange(0, TOPK_P2)
+    key = _entries(sel_ptr, pos_ptr, t0 + c // TOPK_P2, c % TOPK_P2, t_end, g, n_blocks, KVH, TOPK, BS)
+    n_earlier = tl.zeros([C], tl.int32)
+    row_bits = tl.zeros([C], tl.int32)
+    for rr in tl.static_range(ROWS):
+        key_r = _entries(sel_ptr, pos_ptr, t0 + rr + kk * 0, kk, t_end, g, n_blocks, KVH, TOPK, BS)
+        eq = (key[:, None] == key_r[None, :]) & (key_r >= 0)[None, :]
+        n_earlier += tl.sum((eq & ((rr * TOPK_P2 + kk)[None, :] < c[:, None])).to(tl.int32), axis=1)
+        row_bits += tl.where(tl.max(eq.to(tl.int32), axis=1) > 0, 1 << rr, 0)
+    first = (key >= 0) & (n_earlier == 0)
+    rank = tl.cumsum(first.to(tl.int32), 0) - 1
+    n_u = tl.sum(first.to(tl.int32))
+    last = tl.minimum(tl.max(pos_m), seq_len - 1)  # the tile's last visible key
+    mrow = m // HGP
+
+    rows = tl.arange(0, BLOCK_N)
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc_lo = tl.zeros([M, D2], tl.float32)
+    acc_hi = tl.zeros([M, D2], tl.float32)
+    for it in range(n_u * NSUB):  # (distinct block, BLOCK_N-key sub-tile of it)
+        pick = first & (rank == it // NSUB)
+        b = tl.sum(tl.where(pick, key, 0))
+        bits = tl.sum(tl.where(pick, row_bits, 0))  # the rows whose selection holds block b
+        sub = it % NSUB
+        phys = tl.load(bt_ptr + rs * bt_stride + b).to(tl.int64)
+        kpos = b.to(tl.int64) * BS + sub * BLOCK_N + rows
+        kv_ok = kpos <= last
+        tok = (phys * BS + sub * BLOCK_N + rows) * KVH + g
+        k_lo, k_hi = _dequant_rows(kd_ptr, ks_ptr, tok, kv_ok, BLOCK_N, D2)
+        s = _dot(q_lo, tl.trans(k_lo), tl.zeros([M, BLOCK_N], tl.float32), BF16_MMA, PREC)
+        s = _dot(q_hi, tl.trans(k_hi), s, BF16_MMA, PREC) * scale
+        vis = (((bits >> mrow) & 1) != 0)[:, None] & (kpos[None, :] <= pos_m[:, None]) & kv_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_lo, v_hi = _dequant_rows(vd_ptr, vs_ptr, tok, kv_ok, BLOCK_N, D2)
+        acc_lo = _dot(p, v_lo, acc_lo * alpha[:, None], BF16_MMA, PREC)
+        acc_hi = _dot(p, v_hi, acc_hi * alpha[:, None], BF16_MMA, PREC)
+        m_i = m_new
+    _store_out(out_ptr, q_off, mok, acc_lo, acc_hi, l_i)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+
+Q_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MAX_SPLIT = 16
+
+
 def interpreting() -> bool:
     """Whether Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -217,31 +370,263 @@ def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tens
     return torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True, out_int32=True)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H200
+
+
+def split_buckets(top_k: int) -> list[int]:
+    """The decode split counts the launcher can pick: powers of two <= min(top_k, 16)."""
+    out = [1]
+    while out[-1] * 2 <= min(top_k, MAX_SPLIT):
+        out.append(out[-1] * 2)
+    return out
+
+
 def pick_split(num_tiles: int, top_k: int, device: torch.device) -> int:
-    """Splits per (row, group): the smallest power of two filling ~2 programs per SM, at most top_k."""
-    if interpreting() or device.type != "cuda":
+    """Splits per (row, group): the smallest bucket filling ~2 programs per SM (2 in the interpreter)."""
+    if interpreting():
         return min(2, top_k)
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    split = 1
-    while split < top_k and num_tiles * split < target:
-        split *= 2
-    return min(split, top_k)
+    target = 2 * _num_sms(device)
+    buckets = split_buckets(top_k)
+    for split in buckets:
+        if num_tiles * split >= target:
+            return split
+    return buckets[-1]
 
 
-_WORKSPACE: dict[tuple[str, int, int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+def _q_name(dtype: torch.dtype) -> str:
+    for name, dt in Q_DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ShapeError(f"q has dtype {dtype}: expected float32 or bfloat16")
+
+
+def _common_types(q: str) -> dict[str, str]:
+    return {"q_ptr": f"*{q}", "kd_ptr": "*u8", "ks_ptr": "*u8", "vd_ptr": "*u8", "vs_ptr": "*u8", "sel_ptr": "*i64",
+            "pos_ptr": "*i64"}
+
+
+_ALIGNED = ("q_ptr", "kd_ptr", "ks_ptr", "vd_ptr", "vs_ptr", "out_ptr")  # 16-byte aligned (checked at launch)
+
+
+def decode_spec(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_k: int, q_dtype: str, split: int,
+                *, gpu: bool = True, block_n: int | None = None, num_warps: int | None = None,
+                num_stages: int = 3) -> KernelSpec:
+    """The decode kernel's KernelSpec for a layout and split (gpu=False: the interpreter's float32 dots)."""
+    hg = num_heads // num_kv_heads
+    bf16 = q_dtype == "bf16"
+    block_n = min(block_n or (64 if bf16 else 32), block_size)
+    consts = dict(H=num_heads, KVH=num_kv_heads, HG=hg, BLOCK_H=max(16, triton.next_power_of_2(hg)), D=d,
+                  BS=block_size, BLOCK_N=block_n, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), SPLIT=split,
+                  BF16_MMA=bf16 and gpu, PREC="tf32x3" if gpu else "ieee")
+    types = _common_types(q_dtype) | {"req_ptr": "*i32", "seqlen_ptr": "*i32", "bt_ptr": "*i32",
+                                      "out_ptr": f"*{q_dtype}", "ws_ptr": "*fp32", "ml_ptr": "*fp32",
+                                      "cnt_ptr": "*i32", "bt_stride": "i32", "scale": "fp32"}
+    warps = num_warps or (4 if bf16 or d < 128 else 8)
+    return KernelSpec("msa_attention_decode", msa_decode_kernel, types, consts, warps, num_stages,
+                      divisible_16=(*_ALIGNED, "ws_ptr", "ml_ptr"))
+
+
+def prefill_config(num_heads: int, num_kv_heads: int, q_dtype: str, gpu: bool = True) -> tuple[int, int, int, int]:
+    """(rows per tile, BLOCK_N, num_warps, num_stages) of the prefill kernel.
+
+    bf16 on a GPU: M = rows × next_pow2(heads per group) = 128 (8 rows × 16 heads), 32-key sub-tiles,
+    8 warps, 2 stages (sm_90a offline compile: 252 registers, no spills; 64-key sub-tiles spill). float32
+    q (tf32x3 dots, a test path): M = 16, 4 warps, 1 stage (238 registers; more rows spill). Interpreter:
+    M = 16. Rows are 1..16 (a tile's row set is an int32 bitmask).
+    """
+    hgp = triton.next_power_of_2(num_heads // num_kv_heads)
+    if gpu and q_dtype == "bf16":
+        return min(16, max(1, 128 // hgp)), 32, 8, 2
+    return min(16, max(1, 16 // hgp)), 32, 4, 1
+
+
+def prefill_spec(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_k: int, q_dtype: str,
+                 *, gpu: bool = True, rows: int | None = None, block_n: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> KernelSpec:
+    """The prefill kernel's KernelSpec for a layout (gpu=False: the interpreter's float32 dots); the keyword
+    overrides (for tile searches on a GPU) default to :func:`prefill_config`."""
+    hg = num_heads // num_kv_heads
+    bf16 = q_dtype == "bf16"
+    d_rows, d_bn, d_warps, d_stages = prefill_config(num_heads, num_kv_heads, q_dtype, gpu)
+    rows = rows or d_rows
+    if not 1 <= rows <= 16:
+        raise ShapeError(f"rows={rows}: a prefill tile holds 1..16 query rows")
+    consts = dict(H=num_heads, KVH=num_kv_heads, HG=hg, HGP=triton.next_power_of_2(hg), ROWS=rows, D=d,
+                  BS=block_size, BLOCK_N=min(block_n or d_bn, block_size), TOPK=top_k,
+                  TOPK_P2=triton.next_power_of_2(top_k), RCH=256 if gpu else 4, BF16_MMA=bf16 and gpu,
+                  PREC="tf32x3" if gpu else "ieee")
+    types = _common_types(q_dtype) | {"qsl_ptr": "*i32", "seqlen_ptr": "*i32", "bt_ptr": "*i32",
+                                      "out_ptr": f"*{q_dtype}", "n_req": "i32", "bt_stride": "i32", "scale": "fp32"}
+    return KernelSpec("msa_attention_prefill", msa_prefill_kernel, types, consts, num_warps or d_warps,
+                      num_stages or d_stages, divisible_16=_ALIGNED)
+
+
+def attention_specs(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_k: int,
+                    q_dtype: str = "bf16") -> list[KernelSpec]:
+    """Every KernelSpec :func:`msa_sparse_attention` can launch for this layout on a GPU (for AOT compiles):
+    the decode kernel at each split bucket, then the prefill kernel. ``q_dtype``: "bf16" or "fp32"."""
+    _check_layout(num_heads, num_kv_heads, d, block_size, top_k)
+    if q_dtype not in Q_DTYPES:
+        raise ShapeError(f"q_dtype={q_dtype!r}: expected one of {sorted(Q_DTYPES)}")
+    return [*(decode_spec(num_heads, num_kv_heads, d, block_size, top_k, q_dtype, s) for s in split_buckets(top_k)),
+            prefill_spec(num_heads, num_kv_heads, d, block_size, top_k, q_dtype)]
+
+
+def _check_layout(h: int, kvh: int, d: int, bs: int, top_k: int) -> None:
+    if kvh < 1 or h % kvh:
+        raise ShapeError(f"H={h} query heads must be a positive multiple of KVH={kvh} KV heads")
+    if d < 32 or d & (d - 1) or bs < 1 or bs & (bs - 1):
+        raise ShapeError(f"head dim {d} must be a power of two >= 32 and block_size {bs} a power of two")
+    if top_k < 1:
+        raise ShapeError(f"top_k={top_k} must be >= 1")
+
+
+_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _workspace(
     device: torch.device, tiles: int, split: int, block_h: int, d: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Persistent partials (acc, m/l) and zeroed counters, reused across calls (CUDA-graph safe)."""
-    key = (str(device), tiles, split, block_h, d)
+    """Persistent partials (acc, m/l) and zeroed counters, reused across calls (CUDA-graph safe).
+
+    With split == 1 (unused by the kernel) a tiny buffer of the right dtypes."""
+    key = (str(device), tiles, split, block_h, d) if split > 1 else (str(device),)
     if key not in _WORKSPACE:
-        parts = tiles * split
-        _WORKSPACE[key] = (torch.empty(parts * block_h * d, dtype=torch.float32, device=device),
-                           torch.empty(parts * 2 * block_h, dtype=torch.float32, device=device),
-                           torch.zeros(tiles, dtype=torch.int32, device=device))
+        parts = tiles * split if split > 1 else 0
+        _WORKSPACE[key] = (torch.empty(max(parts * block_h * d, 4), dtype=torch.float32, device=device),
+                           torch.empty(max(parts * 2 * block_h, 4), dtype=torch.float32, device=device),
+                           torch.zeros(max(tiles if split > 1 else 0, 4), dtype=torch.int32, device=device))
     return _WORKSPACE[key]
+
+
+def _checked(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
+             v_scale: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+             seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
+             out: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """Validate shapes/dtypes (no sync); return (selected i64, positions i64, qsl i32, seq_lens i32,
+    block_table i32, out) with the index tensors in the kernels' dtypes (device-side casts only if needed)."""
+    if q.dim() != 3 or k_data.dim() != 4:
+        raise ShapeError(f"q {tuple(q.shape)} must be [T, H, D] and k_data {tuple(k_data.shape)} [NB, BS, KVH, D/2]")
+    t, h, d = q.shape
+    nb, bs, kvh, d2 = k_data.shape
+    top_k = selected.shape[-1] if selected.dim() == 3 else 0
+    if bs != block_size or d2 * 2 != d:
+        raise ShapeError(f"cache {tuple(k_data.shape)} vs q {tuple(q.shape)}, block_size {block_size}: need "
+                         "BS == block_size and the cache's last dim == D/2 (packed nvfp4)")
+    _check_layout(h, kvh, d, bs, max(top_k, 1))
+    if tuple(selected.shape) != (t, kvh, top_k) or top_k < 1:
+        raise ShapeError(f"selected {tuple(selected.shape)} must be [{t}, {kvh}, top_k >= 1]")
+    if tuple(v_data.shape) != tuple(k_data.shape) or tuple(k_scale.shape) != (nb, bs, kvh, d // 16) \
+            or tuple(v_scale.shape) != tuple(k_scale.shape):
+        raise ShapeError("v_data / k_scale / v_scale do not match k_data's nvfp4 layout "
+                         f"(scales must be [{nb}, {bs}, {kvh}, {d // 16}])")
+    if k_data.dtype != torch.uint8 or v_data.dtype != torch.uint8 or k_scale.element_size() != 1 \
+            or v_scale.element_size() != 1:
+        raise ShapeError(f"k_data/v_data have dtypes {k_data.dtype}/{v_data.dtype}, scales {k_scale.dtype}/"
+                         f"{v_scale.dtype}: expected packed nvfp4 uint8 codes and float8_e4m3fn scales")
+    _q_name(q.dtype)
+    for name, x in (("q", q), ("k_data", k_data), ("k_scale", k_scale), ("v_data", v_data),
+                    ("v_scale", v_scale), ("selected", selected), ("positions", positions),
+                    ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if not x.is_contiguous():
+            raise ShapeError(f"{name} must be contiguous (call .contiguous() first)")
+    r = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or tuple(query_start_loc.shape) != (r + 1,) or block_table.dim() != 2 \
+            or block_table.shape[0] != r or block_table.stride(1) != 1:
+        raise ShapeError(f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)} and "
+                         f"block_table {tuple(block_table.shape)} must be [R], [R + 1] and [R, max_blocks] "
+                         "(rows contiguous)")
+    if tuple(positions.shape) != (t,):
+        raise ShapeError(f"positions has shape {tuple(positions.shape)}: expected ({t},)")
+    if t and r == 0:
+        raise ShapeError(f"{t} query rows but no request (seq_lens is empty)")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ShapeError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous tensor like q")
+    for name, x in (("q", q), ("out", out), ("k_data", k_data), ("k_scale", k_scale), ("v_data", v_data),
+                    ("v_scale", v_scale)):
+        if x.data_ptr() % 16:
+            raise ShapeError(f"{name} must start at a 16-byte aligned address (the kernels assume it)")
+    return (selected.to(torch.int64), positions.to(torch.int64), query_start_loc.to(torch.int32),
+            seq_lens.to(torch.int32), block_table.to(torch.int32), out)
+
+
+def _launch_decode(runner: Runner, spec: KernelSpec, q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor,
+                   v_data: torch.Tensor, v_scale: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor,
+                   req_of_token: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
+                   scale: float) -> None:
+    c = spec.constexprs
+    tiles = q.shape[0] * c["KVH"]
+    ws, ml, cnt = _workspace(q.device, tiles, c["SPLIT"], c["BLOCK_H"], c["D"])
+    args = (q, k_data, k_scale.view(torch.uint8), v_data, v_scale.view(torch.uint8), selected, positions,
+            req_of_token, seq_lens, block_table, out, ws, ml, cnt, block_table.stride(0), float(scale))
+    runner(spec, (tiles * c["SPLIT"],), args)
+
+
+def _launch_prefill(runner: Runner, spec: KernelSpec, q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor,
+                    v_data: torch.Tensor, v_scale: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                    out: torch.Tensor, scale: float) -> None:
+    c = spec.constexprs
+    t, n_req, rows = q.shape[0], seq_lens.shape[0], c["ROWS"]
+    tiles = (t + n_req * (rows - 1)) // rows  # >= sum_r ceil(rows_r / ROWS), whatever the split of T
+    args = (q, k_data, k_scale.view(torch.uint8), v_data, v_scale.view(torch.uint8), selected, positions,
+            query_start_loc, seq_lens, block_table, out, n_req, block_table.stride(0), float(scale))
+    runner(spec, (tiles, c["KVH"]), args)
+
+
+def msa_sparse_attention(
+    q: torch.Tensor,
+    k_data: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_data: torch.Tensor,
+    v_scale: torch.Tensor,
+    selected: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    scale: float,
+    *,
+    runner: Runner = jit_run,
+    req_of_token: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    max_q_rows: int = 8,
+) -> torch.Tensor:
+    """Exact attention of q [T, H, D] (float32 / bf16) over each row's selected blocks: [T, H, D] in q's dtype.
+
+    Caches are nvfp4 (``k_data``/``v_data`` uint8 [NB, BS, KVH, D/2], scales float8_e4m3fn [NB, BS, KVH,
+    D/16]); ``selected`` is int [T, KVH, top_k] request-relative block ids (-1 ignored); batch metadata as
+    in :class:`m3c.model_defs.kv_cache.BatchMetadata`. ``T <= max_q_rows * R`` runs the decode kernel,
+    else the prefill kernel (``max_q_rows=0``: always prefill). ``req_of_token`` (decode only, from
+    :func:`token_requests`) may be passed to share it across layers; ``out`` may be preallocated. Every
+    launch goes through ``runner``; checks shapes only (no sync).
+    """
+    sel, pos, qsl, seq, table, out = _checked(q, k_data, k_scale, v_data, v_scale, selected, positions,
+                                              query_start_loc, seq_lens, block_table, block_size, out)
+    t, h, d = q.shape
+    if t == 0:
+        return out
+    kvh, top_k, r = k_data.shape[2], sel.shape[-1], seq.shape[0]
+    gpu, qn = not interpreting(), _q_name(q.dtype)
+    if t <= max_q_rows * r:
+        if req_of_token is None:
+            req_of_token = token_requests(qsl, t)
+        elif tuple(req_of_token.shape) != (t,):
+            raise ShapeError(f"req_of_token has shape {tuple(req_of_token.shape)}: expected ({t},)")
+        spec = decode_spec(h, kvh, d, block_size, top_k, qn, pick_split(t * kvh, top_k, q.device), gpu=gpu)
+        _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, req_of_token.to(torch.int32),
+                       seq, table, out, scale)
+    else:
+        spec = prefill_spec(h, kvh, d, block_size, top_k, qn, gpu=gpu)
+        _launch_prefill(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, scale)
+    return out
 
 
 def msa_sparse_attention_decode(
@@ -263,66 +648,23 @@ def msa_sparse_attention_decode(
     block_n: int | None = None,
     num_stages: int = 3,
     out: torch.Tensor | None = None,
+    runner: Runner = jit_run,
 ) -> torch.Tensor:
-    """Exact attention of q [T, H, D] (float32 / bf16) over each row's selected blocks: [T, H, D] in q's dtype.
-
-    Caches are nvfp4 (``k_data``/``v_data`` uint8 [NB, BS, KVH, D/2], scales float8_e4m3fn [NB, BS, KVH,
-    D/16]); ``selected`` is int [T, KVH, top_k] request-relative block ids (-1 ignored). ``req_of_token``
-    (from :func:`token_requests`) may be passed to share it across layers; ``out`` may be preallocated.
-    Checks shapes only (no sync).
-    """
-    if q.dim() != 3 or k_data.dim() != 4:
-        raise ShapeError(f"q {tuple(q.shape)} must be [T, H, D] and k_data {tuple(k_data.shape)} [NB, BS, KVH, D/2]")
+    """The decode kernel alone, with optional overrides (split, tiles) for tests and benchmarks; see
+    :func:`msa_sparse_attention` for the arguments. Any split in [1, top_k] works (not only the buckets)."""
+    sel, pos, qsl, seq, table, out = _checked(q, k_data, k_scale, v_data, v_scale, selected, positions,
+                                              query_start_loc, seq_lens, block_table, block_size, out)
     t, h, d = q.shape
-    nb, bs, kvh, d2 = k_data.shape
-    top_k = selected.shape[-1]
-    if bs != block_size or d2 * 2 != d or d % 16 or d & (d - 1) or bs & (bs - 1):
-        raise ShapeError(f"cache {tuple(k_data.shape)} vs q {tuple(q.shape)}, block_size {block_size}: need "
-                         "BS == block_size and D == 2 * D/2, both powers of two, D % 16 == 0")
-    if h % kvh or tuple(selected.shape) != (t, kvh, top_k) or top_k < 1:
-        raise ShapeError(f"H={h} must be a multiple of KVH={kvh}; selected {tuple(selected.shape)} must be "
-                         f"[{t}, {kvh}, top_k]")
-    if tuple(v_data.shape) != tuple(k_data.shape) or tuple(k_scale.shape) != (nb, bs, kvh, d // 16) \
-            or tuple(v_scale.shape) != tuple(k_scale.shape):
-        raise ShapeError("v_data / k_scale / v_scale do not match k_data's nvfp4 layout")
-    if k_data.dtype != torch.uint8 or v_data.dtype != torch.uint8:
-        raise ShapeError(f"k_data/v_data have dtypes {k_data.dtype}/{v_data.dtype}: expected packed nvfp4 uint8")
-    if q.dtype not in (torch.float32, torch.bfloat16):
-        raise ShapeError(f"q has dtype {q.dtype}: expected float32 or bfloat16")
-    for name, x in (("q", q), ("k_data", k_data), ("k_scale", k_scale), ("v_data", v_data),
-                    ("v_scale", v_scale), ("selected", selected)):
-        if not x.is_contiguous():
-            raise ShapeError(f"{name} must be contiguous")
-    if block_table.stride(1) != 1:
-        raise ShapeError("block_table rows must be contiguous")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
-        raise ShapeError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous tensor like q")
     if t == 0:
         return out
-    hg = h // kvh
-    block_h = max(16, triton.next_power_of_2(hg))
-    tiles = t * kvh
-    split = split or pick_split(tiles, top_k, q.device)
-    split = max(1, min(split, top_k))
+    kvh, top_k = k_data.shape[2], sel.shape[-1]
+    split = max(1, min(split or pick_split(t * kvh, top_k, q.device), top_k))
+    if block_n is not None and (block_size % block_n or block_n & (block_n - 1)):
+        raise ShapeError(f"block_n={block_n} must be a power of two dividing block_size {block_size}")
+    spec = decode_spec(h, kvh, d, block_size, top_k, _q_name(q.dtype), split, gpu=not interpreting(),
+                       block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     if req_of_token is None:
-        req_of_token = token_requests(query_start_loc, t)
-    if split > 1:
-        ws, ml, cnt = _workspace(q.device, tiles, split, block_h, d)
-    else:
-        ws = ml = out
-        cnt = req_of_token
-    bf16 = q.dtype == torch.bfloat16
-    block_n = min(block_n or (64 if bf16 else 32), bs)
-    if bs % block_n or block_n & (block_n - 1):
-        raise ShapeError(f"block_n={block_n} must be a power of two dividing block_size {bs}")
-    interp = interpreting()
-    msa_decode_kernel[(tiles * split,)](
-        q, k_data, k_scale.view(torch.uint8), v_data, v_scale.view(torch.uint8), selected, positions,
-        req_of_token, seq_lens, block_table, out, ws, ml, cnt, block_table.stride(0), float(scale),
-        H=h, KVH=kvh, HG=hg, BLOCK_H=block_h, D=d, BS=bs, BLOCK_N=block_n, TOPK=top_k,
-        TOPK_P2=triton.next_power_of_2(top_k), SPLIT=split, BF16_MMA=bf16 and not interp, PREC="ieee" if interp else "tf32x3",
-        num_warps=num_warps or (4 if bf16 or d < 128 else 8), num_stages=num_stages, enable_fp_fusion=False,
-    )
+        req_of_token = token_requests(qsl, t)
+    _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, req_of_token.to(torch.int32), seq,
+                   table, out, scale)
     return out

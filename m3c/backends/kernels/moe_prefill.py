@@ -1,0 +1,539 @@
+"""MegaMoE prefill: routed experts as grouped GEMMs whose weights are decoded inside the K loop.
+
+Semantics: exactly ``m3c.model_defs.layers.MoE.forward`` after routing, for tokens x [T, H] with
+``topk_ids`` [T, k] (int64) and ``topk_weights`` [T, k] (float32)::
+
+    gate_up = grouped_gemm(x, ids, W13)           # W13 [E, 2I, H], rows: gate then up
+    act     = silu(gate) * up                     # [T, k, I]
+    down    = grouped_gemm(act, ids, W2)          # W2 [E, H, I]
+    out     = sum_j down[:, j] * weights[:, j]    (+ shared[1](silu(g) * u), g, u = shared[0](x).chunk(2))
+
+Routed weights NVFP4 (E2M1 codes, E4M3 per-16 scales, float32 per-row scale [E, N, 1]), MXFP8 or
+bf16; the shared expert MXFP8 or bf16 (or absent). Activations bf16 (bf16 tensor-core dots, float32
+accumulation) or float32 (IEEE dots: the tiny test models). An id outside [0, E) contributes nothing.
+
+Design (four device steps, no host synchronization, fixed launch shapes for a given T):
+
+1. Permutation on the GPU: a stable sort of the T·k (token, slot) pairs by expert gives ``order``
+   (sorted position -> pair); ``searchsorted`` over the sorted ids gives the expert row offsets,
+   and a cumsum of ceil(count_e / BLOCK_M) the tile table. The grid has room for the worst case,
+   ``min(ceil(T·k / BLOCK_M) + E, T·k)`` routed row tiles; a program finds its expert by counting
+   the tile-table entries at or below its tile index (one vector load of E ints) and programs
+   past the real tile count exit at once. Experts without tokens own no tile: they cost nothing.
+2. FC1 (one launch): a program owns BLOCK_M rows of one expert × BLOCK_N columns of the
+   intermediate dim, for gate AND up (rows n and I + n of W13), so SiLU(gate)·up happens in the
+   epilogue and only act [T·k, I] (rows in sorted order) reaches HBM. The x rows are gathered
+   through ``order``. NVFP4 bytes and E4M3 scale bytes are decoded in registers by bit
+   placement (a code lands on a float32 subnormal, value × 2^-126; the scale is decoded × 2^119;
+   their product is the weight × 2^-7, exact in bf16) and the two nibble halves are interleaved
+   with ``tl.join`` into the [BLOCK_N, BLOCK_K] operand of one tensor-core dot. The per-row
+   float32 scale and the 2^7 are applied to the accumulator once, in the epilogue. MXFP8 decodes
+   E4M3 bytes the same way × its E8M0 power of two. The shared expert's FC1 runs as extra row
+   tiles of the same launch (tiles 0 .. ceil(T / BLOCK_M) - 1, identity rows).
+3. FC2 (one launch): same tiling over act × W2; the epilogue multiplies by the routing weight and
+   writes each (token, slot) row to y [T, k (+1), H] (slot k: the shared expert's FC2, tiles of
+   the same launch). No float atomics.
+4. Combine: out[t] = sum over slots of y[t, slot] in a fixed order (float32 sum): deterministic,
+   bit-identical from run to run (greedy decoding tests rely on it).
+
+FLOP / byte floor (m3.1-small: H = 6144, I = S = 1536, E = 64, k = 8, P = T·k pairs):
+FLOPs = 6·P·H·I (routed) + 6·T·H·S (shared) = 54·T·H·I: 2.09 TFLOP at T = 4096 -> ~2.8 ms at
+750 TFLOP/s bf16 (1.6 ms at FP8's 1,280). Bytes: NVFP4 weights of every touched expert,
+E · 3·H·I · 0.5625 B = 1.02 GB (+ shared MXFP8 ~29 MB) -> 0.24 ms at 4.28 TB/s; activations
+(x 2·T·H, act 2·P·I twice, y 2·(P+T)·H twice, out 2·T·H) = 1.21 GB at T = 4096 with bf16, of
+which the y round trip (0.91 GB, ~0.21 ms) is the price of the deterministic combine. Prefill at
+T >= 4096 is compute-bound; at T = 512 weight bytes (0.24 ms) and FLOPs (0.35 ms) are comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from m3c.backends.kernels.fp_codes import e8m0_to_f32
+from m3c.backends.kernels.msa_indexer import _e2m1_tiny, _e4m3_big
+from m3c.backends.kernels.qkv_fused_launch import interpreting
+from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
+from m3c.errors import ShapeError
+from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
+
+FMT_CODES = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}
+ACT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_TWO_POW_120 = tl.constexpr(1.329227995784916e36)  # 2^120
+POISON_WORKSPACES = False  # tests: fill act / y with NaN before the launches, so unwritten rows show
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _w_tile(d_ptr, s_ptr, rows, k0, K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            DOT_F32: tl.constexpr):
+    """Weight rows `rows` (int64 [BN]) × columns k0..k0+BK as the dot operand [BN, BK].
+
+    FMT 2 (NVFP4) comes × 2^-7 and without its per-row tensor scale (see `_row_mul`); FMT 1 (MXFP8)
+    and FMT 0 (bf16) are exact values. bf16 dots get bf16 (exact for NVFP4 and MXFP8 products).
+    """
+    if FMT == 2:
+        b = tl.load(d_ptr + rows[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BK // 2))[None, :]).to(tl.int32)
+        sb = tl.load(s_ptr + rows[:, None] * (K // 16) + (k0 // 16 + tl.arange(0, BK // 16))[None, :])
+        sc = _e4m3_big(sb.to(tl.int32))[:, :, None]
+        lo = tl.reshape(tl.reshape(_e2m1_tiny(b, 0), [BN, BK // 16, 8]) * sc, [BN, BK // 2])
+        hi = tl.reshape(tl.reshape(_e2m1_tiny(b, 4), [BN, BK // 16, 8]) * sc, [BN, BK // 2])
+        w = tl.reshape(tl.join(lo, hi), [BN, BK])  # element 2i: low nibble, 2i + 1: high nibble
+    elif FMT == 1:
+        b = tl.load(d_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :]).to(tl.int32)
+        # E4M3 bits placed into a float32: value × 2^-120 for normals and subnormals alike
+        v = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True) * _TWO_POW_120
+        sb = tl.load(s_ptr + rows[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
+        s = e8m0_to_f32(sb.to(tl.int32))
+        w = tl.reshape(tl.reshape(v, [BN, BK // 32, 32]) * s[:, :, None], [BN, BK])
+    else:
+        w = tl.load(d_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :])
+    if DOT_F32:
+        out = w.to(tl.float32)
+    else:
+        out = w.to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def _row_mul(g_ptr, rows, FMT: tl.constexpr):
+    """Per output column factor of the accumulator: NVFP4's per-row tensor scale × 2^7, else 1."""
+    if FMT == 2:
+        return tl.load(g_ptr + rows) * 128.0
+    return tl.full(rows.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _dot(a, w, acc, DOT_F32: tl.constexpr):
+    """acc + a @ w^T (IEEE float32 products for float32 operands)."""
+    if DOT_F32:
+        res = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        res = tl.dot(a, tl.trans(w), acc)
+    return res
+
+
+@triton.jit
+def _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_rows, H: tl.constexpr,
+              N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """out[out_rows, n0:n0+BN] = silu(x[tok] @ Wg^T) * (x[tok] @ Wu^T) with gate rows row0 + n, up rows row0 + N + n."""
+    rg = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
+    ru = rg + N
+    xrow = x_ptr + tok.to(tl.int64)[:, None] * H
+    kk = tl.arange(0, BK)
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        xt = tl.load(xrow + (k0 + kk)[None, :], mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            xt = xt.to(tl.float32)
+        else:
+            xt = xt.to(tl.bfloat16)
+        wg = _w_tile(wd_ptr, ws_ptr, rg, k0, H, FMT, BN, BK, DOT_F32)
+        acc_g = _dot(xt, wg, acc_g, DOT_F32)
+        wu = _w_tile(wd_ptr, ws_ptr, ru, k0, H, FMT, BN, BK, DOT_F32)
+        acc_u = _dot(xt, wu, acc_u, DOT_F32)
+    g = acc_g * _row_mul(wg_ptr, rg, FMT)[None, :]
+    u = acc_u * _row_mul(wg_ptr, ru, FMT)[None, :]
+    a = g * tl.sigmoid(g) * u
+    cols = n0 + tl.arange(0, BN)
+    ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(ptrs, a.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _fc2_tile(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, yrows, K: tl.constexpr,
+              H: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              DOT_F32: tl.constexpr):
+    """y[yrows, n0:n0+BN] = (act[arows] @ W[row0 + n]^T) * wt (wt: per-row routing weight, float32 [BM])."""
+    rw = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
+    arow = a_ptr + arows.to(tl.int64)[:, None] * K
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        at = tl.load(arow + (k0 + kk)[None, :], mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            at = at.to(tl.float32)
+        else:
+            at = at.to(tl.bfloat16)
+        w = _w_tile(wd_ptr, ws_ptr, rw, k0, K, FMT, BN, BK, DOT_F32)
+        acc = _dot(at, w, acc, DOT_F32)
+    acc = acc * _row_mul(wg_ptr, rw, FMT)[None, :] * wt[:, None]
+    cols = n0 + tl.arange(0, BN)
+    ptrs = y_ptr + yrows.to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.jit
+def _routed_rows(pid_r, offs_ptr, tend_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
+    """(expert, first sorted row, end of the expert's rows) of routed tile pid_r; expert == E: no such tile."""
+    ev = tl.arange(0, EP)
+    tend = tl.load(tend_ptr + ev, mask=ev < E, other=2147483647)
+    e = tl.sum((tend <= pid_r).to(tl.int32), axis=0)
+    ok = e < E
+    tstart = tl.load(tend_ptr + e - 1, mask=ok & (e > 0), other=0)
+    lo = tl.load(offs_ptr + e, mask=ok, other=0)
+    hi = tl.load(offs_ptr + e + 1, mask=ok, other=0)
+    return e, lo + (pid_r - tstart) * BM, hi
+
+
+@triton.jit
+def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, ss_ptr, act_ptr, sact_ptr,
+                   T, n_sh,
+                   H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
+                   EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """FC1 + SiLU·up of one row tile × BN intermediate columns: shared tiles first, then routed tiles."""
+    pid_m = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    m = tl.arange(0, BM)
+    if HAS_SHARED:  # noqa: SIM102 (a constexpr guard: the shared path is not compiled without it)
+        if (pid_m < n_sh) & (n0 < S):
+            tok = pid_m * BM + m
+            _fc1_tile(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK,
+                      DOT_F32)
+    if pid_m >= n_sh:
+        e, p0, hi = _routed_rows(pid_m - n_sh, offs_ptr, tend_ptr, E, EP, BM)
+        if (e < E) & (n0 < INTER):
+            p = p0 + m
+            valid = p < hi
+            pair = tl.load(order_ptr + p, mask=valid, other=0)
+            tok = (pair // TOPK).to(tl.int32)
+            _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H, INTER, FMT,
+                      BM, BN, BK, DOT_F32)
+
+
+@triton.jit
+def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, ss_ptr,
+                   y_ptr, T, n_sh,
+                   H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
+                   EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """FC2 × routing weight of one row tile × BN hidden columns into y [T, TOPK + HAS_SHARED, H]."""
+    SLOTS: tl.constexpr = TOPK + HAS_SHARED
+    pid_m = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    m = tl.arange(0, BM)
+    if HAS_SHARED:  # noqa: SIM102 (a constexpr guard: the shared path is not compiled without it)
+        if pid_m < n_sh:
+            tok = pid_m * BM + m
+            one = tl.full([BM], 1.0, tl.float32)
+            _fc2_tile(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
+                      SFMT, BM, BN, BK, DOT_F32)
+    if pid_m >= n_sh:
+        e, p0, hi = _routed_rows(pid_m - n_sh, offs_ptr, tend_ptr, E, EP, BM)
+        if e < E:
+            p = p0 + m
+            valid = p < hi
+            pair = tl.load(order_ptr + p, mask=valid, other=0).to(tl.int32)
+            wt = tl.load(wts_ptr + pair, mask=valid, other=0.0)
+            yrows = (pair // TOPK) * SLOTS + pair % TOPK
+            _fc2_tile(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H, FMT,
+                      BM, BN, BK, DOT_F32)
+
+
+@triton.jit
+def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, T, H: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
+                       HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+    """out[t] = sum_j y[t, j] (+ y[t, TOPK] shared) in a fixed order; slots whose id is not in [0, E) are skipped."""
+    SLOTS: tl.constexpr = TOPK + HAS_SHARED
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = rows < T
+    r64 = rows.to(tl.int64)
+    acc = tl.zeros([BT, BH], dtype=tl.float32)
+    for j in tl.static_range(SLOTS):
+        use = ok
+        if j < TOPK:
+            e = tl.load(ids_ptr + r64 * TOPK + j, mask=ok, other=-1)
+            use = ok & (e >= 0) & (e < E)
+        v = tl.load(y_ptr + (r64 * SLOTS + j)[:, None] * H + cols[None, :], mask=use[:, None], other=0.0)
+        acc += v.to(tl.float32)
+    tl.store(out_ptr + r64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout, tiles, specs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The static facts a compiled MoE prefill depends on."""
+
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    shared_inter: int  # 0: no shared expert
+    act_dtype: str  # "bf16" | "fp32"
+    w13_fmt: str  # routed format: "nvfp4" | "mxfp8" | "bf16"
+    shared_fmt: str | None  # "mxfp8" | "bf16" | None
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One tiling of the three launches."""
+
+    bm: int  # rows per tile (both GEMMs; the tile table depends on it)
+    bn1: int  # FC1 intermediate columns per tile (gate and up each)
+    bn2: int  # FC2 hidden columns per tile
+    bk: int
+    warps: int
+    stages: int
+    bt: int = 16  # combine: tokens × hidden columns per program
+    bh: int = 256
+    cwarps: int = 4
+
+
+def _divides(options: tuple[int, ...], *dims: int) -> int:
+    """The largest option dividing every nonzero dim (0 when none does)."""
+    return next((o for o in options if all(d % o == 0 for d in dims if d)), 0)
+
+
+def _tile_options(lay: Layout, bucket: str, interp: bool) -> Tiles:
+    """Tiles for a layout and a token bucket ("small": few rows per expert, "large")."""
+    h, i, s = lay.hidden, lay.inter, lay.shared_inter
+    if interp:
+        return Tiles(32, _divides((32, 16), i, s), _divides((64, 32, 16), h), _divides((64, 32), h, i, s), 4, 1,
+                     16, _divides((64, 32), h), 4)
+    bk = _divides((128, 64, 32), h, i, s)
+    bh = _divides((256, 128, 64, 32), h)
+    if lay.act_dtype == "fp32":  # IEEE float32 dots: small tiles (the tiny test models)
+        return Tiles(32, _divides((32, 16), i, s), _divides((64, 32, 16), h), 32, 4, 2, 16, bh, 4)
+    if bucket == "small":
+        return Tiles(64, _divides((64, 32, 16), i, s), _divides((128, 64, 32, 16), h), bk, 4, 3, 16, bh, 4)
+    return Tiles(128, _divides((64, 32, 16), i, s), _divides((128, 64, 32, 16), h), bk, 8, 3, 16, bh, 4)
+
+
+def _bucket(lay: Layout, t: int) -> str:
+    """Token bucket of a batch of t tokens (a host-side size: no synchronization)."""
+    return "small" if t * lay.top_k <= 96 * lay.experts else "large"
+
+
+def _ptr(fmt: str | None, data: bool) -> str:
+    if fmt == "bf16":
+        return "*bf16" if data else "*u8"
+    return "*u8"
+
+
+def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> list[KernelSpec]:
+    """KernelSpecs of FC1, FC2 and the combine for one layout and tiling."""
+    act = "*" + lay.act_dtype
+    dot_f32 = lay.act_dtype == "fp32" or upcast
+    has_sh = lay.shared_fmt is not None and lay.shared_inter > 0
+    sfmt = lay.shared_fmt if has_sh else None
+    common = dict(H=lay.hidden, INTER=lay.inter, S=lay.shared_inter if has_sh else 0, TOPK=lay.top_k, E=lay.experts,
+                  EP=triton.next_power_of_2(lay.experts), FMT=FMT_CODES[lay.w13_fmt],
+                  SFMT=FMT_CODES[sfmt] if sfmt else 0, HAS_SHARED=has_sh, BM=tiles.bm, BK=tiles.bk, DOT_F32=dot_f32)
+    w = {"wd_ptr": _ptr(lay.w13_fmt, True), "ws_ptr": _ptr(lay.w13_fmt, False), "wg_ptr": "*fp32",
+         "sd_ptr": _ptr(sfmt, True), "ss_ptr": _ptr(sfmt, False)}
+    t1 = {"x_ptr": act, "order_ptr": "*i64", "offs_ptr": "*i32", "tend_ptr": "*i32", **w, "act_ptr": act,
+          "sact_ptr": act, "T": "i32", "n_sh": "i32"}
+    t2 = {"act_ptr": act, "sact_ptr": act, "order_ptr": "*i64", "wts_ptr": "*fp32", "offs_ptr": "*i32",
+          "tend_ptr": "*i32", **w, "y_ptr": act, "T": "i32", "n_sh": "i32"}
+    t3 = {"y_ptr": act, "ids_ptr": "*i64", "out_ptr": act, "T": "i32"}
+    aligned = ("x_ptr", "act_ptr", "sact_ptr", "y_ptr", "wd_ptr", "ws_ptr", "sd_ptr", "ss_ptr", "out_ptr")
+    return [
+        KernelSpec("moe_prefill_fc1", moe_fc1_kernel, t1, common | {"BN": tiles.bn1}, tiles.warps, tiles.stages,
+                   tuple(a for a in aligned if a in t1)),
+        KernelSpec("moe_prefill_fc2", moe_fc2_kernel, t2, common | {"BN": tiles.bn2}, tiles.warps, tiles.stages,
+                   tuple(a for a in aligned if a in t2)),
+        KernelSpec("moe_prefill_combine", moe_combine_kernel, t3,
+                   dict(H=lay.hidden, TOPK=lay.top_k, E=lay.experts, HAS_SHARED=has_sh, BT=tiles.bt, BH=tiles.bh),
+                   tiles.cwarps, 1, tuple(a for a in aligned if a in t3)),
+    ]
+
+
+def moe_prefill_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
+                          w13_fmt: str, shared_fmt: str | None) -> str | None:
+    """Why the prefill kernels cannot take this layout, or None when they can."""
+    if act_dtype not in ACT_DTYPES:
+        return f"activation dtype {act_dtype!r} is not one of {sorted(ACT_DTYPES)}"
+    if w13_fmt not in FMT_CODES:
+        return f"routed weight format {w13_fmt!r} is not one of {sorted(FMT_CODES)}"
+    if shared_fmt not in (None, "mxfp8", "bf16"):
+        return f"shared expert format {shared_fmt!r} is not mxfp8, bf16 or None"
+    if experts < 1 or top_k < 1 or top_k > experts:
+        return f"need 1 <= top_k ({top_k}) <= experts ({experts})"
+    if shared_fmt is not None and shared_inter < 1:
+        return f"a shared expert of format {shared_fmt} needs shared_inter >= 1, got {shared_inter}"
+    dims = (hidden, inter) + ((shared_inter,) if shared_fmt else ())
+    if any(d < 32 or d % 32 for d in dims):
+        return f"hidden, inter and shared_inter {dims} must be multiples of 32 (MXFP8 block, tile width)"
+    return None
+
+
+def moe_prefill_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
+                      w13_fmt: str, shared_fmt: str | None) -> list[KernelSpec]:
+    """Every KernelSpec `moe_prefill` can launch for this layout (all token buckets), GPU settings."""
+    why = moe_prefill_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt)
+    if why:
+        raise ShapeError(f"moe_prefill cannot take this layout: {why}")
+    lay = Layout(hidden, inter, experts, top_k, shared_inter if shared_fmt else 0, act_dtype, w13_fmt, shared_fmt)
+    out: dict[str, KernelSpec] = {}
+    for bucket in ("small", "large"):
+        for s in _specs(lay, _tile_options(lay, bucket, False), upcast=False):
+            out.setdefault(s.key(), s)
+    return list(out.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Host launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt_of(w: Any, who: str) -> str:
+    if isinstance(w, NVFP4Tensor):
+        return "nvfp4"
+    if isinstance(w, MXFP8Tensor):
+        return "mxfp8"
+    if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16:
+        return "bf16"
+    raise ShapeError(f"{who}: expected an NVFP4Tensor, MXFP8Tensor or bf16 tensor, got "
+                     f"{type(w).__name__}{'' if not isinstance(w, torch.Tensor) else ' ' + str(w.dtype)}")
+
+
+def _weight_args(w: Any, fmt: str, shape: tuple[int, ...], who: str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                             torch.Tensor | None]:
+    """(data, block scales, per-row tensor scale) pointers of a weight of logical shape `shape` ([..., N, K])."""
+    *lead, k = shape
+    if fmt == "nvfp4":
+        want = [((*lead, k // 2), torch.uint8, w.data), ((*lead, k // 16), torch.float8_e4m3fn, w.scale)]
+        if w.global_scale is None or tuple(w.global_scale.shape) != (*lead, 1):
+            raise ShapeError(f"{who}: NVFP4 routed weights need a float32 per-row global_scale of shape "
+                             f"{(*lead, 1)}, got {None if w.global_scale is None else tuple(w.global_scale.shape)}")
+        g = w.global_scale
+    elif fmt == "mxfp8":
+        want = [((*lead, k), torch.float8_e4m3fn, w.data), ((*lead, k // 32), torch.uint8, w.scale)]
+        g = None
+    else:
+        want = [((*lead, k), torch.bfloat16, w)]
+        g = None
+    for shp, dt, t in want:
+        if tuple(t.shape) != shp or t.dtype != dt:
+            raise ShapeError(f"{who}: {fmt} tensor is {t.dtype} {tuple(t.shape)}, expected {dt} {shp}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ShapeError(f"{who}: {fmt} tensors must be contiguous and 16-byte aligned (pass .contiguous())")
+    if g is not None and (g.dtype != torch.float32 or not g.is_contiguous()):
+        raise ShapeError(f"{who}: global_scale must be a contiguous float32 tensor, got {g.dtype}")
+    data = want[0][2]
+    data = data if fmt == "bf16" else data.view(torch.uint8)
+    scale = want[1][2].view(torch.uint8) if len(want) > 1 else data
+    return data, scale, g
+
+
+def _layout(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Any, w2: Any,
+            shared_w13: Any, shared_w2: Any) -> Layout:
+    """Validate the arguments (shapes, dtypes, formats) and return their static layout."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ShapeError(f"x must be [T, H] bfloat16 or float32, got {x.dtype} {tuple(x.shape)}")
+    t, h = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype not in (torch.int64, torch.int32):
+        raise ShapeError(f"topk_ids must be int64 [T={t}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape) or not topk_weights.is_floating_point():
+        raise ShapeError(f"topk_weights must be float32 {tuple(topk_ids.shape)}, got {topk_weights.dtype} "
+                         f"{tuple(topk_weights.shape)}")
+    fmt = _fmt_of(w13, "w13")
+    if _fmt_of(w2, "w2") != fmt:
+        raise ShapeError(f"w13 is {fmt} but w2 is {_fmt_of(w2, 'w2')}: routed weights must share one format")
+    e, n13 = w13.shape[0], w13.shape[1]
+    if len(w13.shape) != 3 or n13 % 2 or w13.shape[2] != h:
+        raise ShapeError(f"w13 has logical shape {tuple(w13.shape)}: expected [E, 2·I, H={h}]")
+    inter = n13 // 2
+    if tuple(w2.shape) != (e, h, inter):
+        raise ShapeError(f"w2 has logical shape {tuple(w2.shape)}: expected [E={e}, H={h}, I={inter}]")
+    sfmt, s = None, 0
+    if (shared_w13 is None) != (shared_w2 is None):
+        raise ShapeError("pass both shared_w13 and shared_w2, or neither")
+    if shared_w13 is not None:
+        sfmt = _fmt_of(shared_w13, "shared_w13")
+        if _fmt_of(shared_w2, "shared_w2") != sfmt:
+            raise ShapeError("shared_w13 and shared_w2 must share one format")
+        if len(shared_w13.shape) != 2 or shared_w13.shape[0] % 2 or shared_w13.shape[1] != h:
+            raise ShapeError(f"shared_w13 has logical shape {tuple(shared_w13.shape)}: expected [2·S, H={h}]")
+        s = shared_w13.shape[0] // 2
+        if tuple(shared_w2.shape) != (h, s):
+            raise ShapeError(f"shared_w2 has logical shape {tuple(shared_w2.shape)}: expected [H={h}, S={s}]")
+    act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
+    lay = Layout(h, inter, e, topk_ids.shape[1], s, act, fmt, sfmt)
+    why = moe_prefill_supported(h, inter, e, lay.top_k, s, act, fmt, sfmt)
+    if why:
+        raise ShapeError(f"moe_prefill cannot take this layout: {why}")
+    return lay
+
+
+def moe_prefill(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Any, w2: Any,
+                shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts (+ shared expert) of a prefill batch: [T, H] in x.dtype; three launches, no host sync.
+
+    ``w13`` / ``w2``: stacked routed weights [E, 2I, H] / [E, H, I] (NVFP4Tensor with a [E, N, 1]
+    global scale, MXFP8Tensor or bf16); ``shared_w13`` [2S, H] / ``shared_w2`` [H, S] (MXFP8Tensor
+    or bf16) or both None. ``out``: optional preallocated [T, H] output (CUDA graphs).
+    """
+    lay = _layout(x, topk_ids, topk_weights, w13, w2, shared_w13, shared_w2)
+    return _launch(x, topk_ids, topk_weights, w13, w2, shared_w13, shared_w2, lay,
+                   _tile_options(lay, _bucket(lay, x.shape[0]), interpreting()), runner, out)
+
+
+def _launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Any, w2: Any,
+            shared_w13: Any, shared_w2: Any, lay: Layout, tiles: Tiles, runner: Runner,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """The launches of `moe_prefill` for an explicit tiling (benchmarks compare tilings through this)."""
+    t, h = x.shape
+    k, e, i = lay.top_k, lay.experts, lay.inter
+    dev = x.device
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=dev)
+    elif tuple(out.shape) != (t, h) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ShapeError(f"out must be a contiguous {x.dtype} [{t}, {h}] tensor, got {out.dtype} {tuple(out.shape)}")
+    if t == 0:
+        return out
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.contiguous() if not x.is_contiguous() else x.clone()
+    ids = topk_ids.contiguous() if topk_ids.dtype == torch.int64 else topk_ids.long().contiguous()
+    wts = topk_weights.float().contiguous().view(-1)
+    wd, ws, wg = _weight_args(w13, lay.w13_fmt, (e, 2 * i, h), "w13")
+    vd, vs, vg = _weight_args(w2, lay.w13_fmt, (e, h, i), "w2")
+    has_sh = lay.shared_fmt is not None
+    if has_sh:
+        s = lay.shared_inter
+        sd, ss, _ = _weight_args(shared_w13, lay.shared_fmt, (2 * s, h), "shared_w13")
+        td, ts, _ = _weight_args(shared_w2, lay.shared_fmt, (h, s), "shared_w2")
+    else:
+        s = 0
+        sd = ss = td = ts = wd.view(torch.uint8)
+    wg = wg if wg is not None else wts
+    vg = vg if vg is not None else wts
+    bm = tiles.bm
+    p = t * k
+    # 1. permutation: stable sort by expert, row offsets per expert, tile table (all on the device)
+    sorted_ids, order = torch.sort(ids.view(-1), stable=True)
+    offs = torch.searchsorted(sorted_ids, torch.arange(e + 1, device=dev), out_int32=True)  # not cached: graph-safe
+    tend = torch.cumsum(torch.div(offs[1:] - offs[:-1] + (bm - 1), bm, rounding_mode="floor"), 0,
+                        dtype=torch.int32)
+    n_sh = triton.cdiv(t, bm) if has_sh else 0
+    m_tiles = n_sh + min(triton.cdiv(p, bm) + e, p)
+    slots = k + int(has_sh)
+    act = torch.empty((p, i), dtype=x.dtype, device=dev)
+    sact = torch.empty((t, s), dtype=x.dtype, device=dev) if has_sh else act
+    y = torch.empty((t, slots, h), dtype=x.dtype, device=dev)
+    if POISON_WORKSPACES:
+        for buf in (act, sact, y):
+            buf.fill_(float("nan"))
+    fc1, fc2, comb = _specs(lay, tiles, upcast=interpreting())
+    n1 = triton.cdiv(max(i, s), tiles.bn1)
+    runner(fc1, (m_tiles, n1), (x, order, offs, tend, wd, ws, wg, sd, ss, act, sact, t, n_sh))
+    runner(fc2, (m_tiles, h // tiles.bn2), (act, sact, order, wts, offs, tend, vd, vs, vg, td, ts, y, t, n_sh))
+    runner(comb, (triton.cdiv(t, tiles.bt), h // tiles.bh), (y, ids, out, t))
+    return out

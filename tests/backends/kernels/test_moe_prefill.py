@@ -1,0 +1,301 @@
+"""MegaMoE prefill kernels (grouped GEMM, in-loop NVFP4 / MXFP8 dequant, GPU permutation) vs the reference.
+
+The reference is ``MoE.forward``'s composition after routing (``torch.ops.m3c.grouped_gemm`` twice,
+SiLU·up, routing-weight sum, shared expert through the dequantized weights), computed in float32
+(or float64 for the GPU's large shapes) from the same inputs. CPU CI runs the kernels in Triton's
+interpreter at tiny shapes; ``-m gpu`` runs them at m3.1-small shapes (64 experts of 6144×1536, top-8).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from m3c.errors import ShapeError
+from m3c.model_defs import ops, quant  # noqa: F401  (ops registers torch.ops.m3c.*)
+
+
+def _mp():
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets the interpreter without a GPU"
+    from m3c.backends.kernels import moe_prefill
+
+    return moe_prefill
+
+
+def _quant(w: torch.Tensor, fmt: str):
+    """A random float weight in a stored format (NVFP4 with a per-row global scale)."""
+    if fmt == "nvfp4":
+        gs = (w.abs().amax(-1, keepdim=True) / (6 * 448)).clamp(min=1e-12)
+        return quant.nvfp4_quantize(w, gs)
+    if fmt == "mxfp8":
+        return quant.mxfp8_quantize(w)
+    return w.bfloat16()
+
+
+def _deq(w, fmt: str) -> torch.Tensor:
+    if fmt == "nvfp4":
+        return quant.nvfp4_dequantize(w)
+    if fmt == "mxfp8":
+        return quant.mxfp8_dequantize(w)
+    return w.float()
+
+
+def _to(w, device: str):
+    if isinstance(w, quant.NVFP4Tensor):
+        return quant.NVFP4Tensor(w.data.to(device), w.scale.to(device), w.global_scale.to(device))
+    if isinstance(w, quant.MXFP8Tensor):
+        return quant.MXFP8Tensor(w.data.to(device), w.scale.to(device))
+    return None if w is None else w.to(device)
+
+
+def _problem(t: int, h: int, inter: int, e: int, k: int, s: int, fmt: str, sfmt: str | None,
+             gen: torch.Generator, skew: bool = False, empty: int = 0):
+    """Random weights (stored formats), tokens, routing. `skew`: one expert takes most tokens; `empty`:
+    that many experts receive no token."""
+    w13 = _quant(torch.randn(e, 2 * inter, h, generator=gen) / h**0.5, fmt)
+    w2 = _quant(torch.randn(e, h, inter, generator=gen) / inter**0.5, fmt)
+    sh13 = sh2 = None
+    if sfmt:
+        sh13 = _quant(torch.randn(2 * s, h, generator=gen) / h**0.5, sfmt)
+        sh2 = _quant(torch.randn(h, s, generator=gen) / s**0.5, sfmt)
+    x = torch.randn(t, h, generator=gen)
+    live = e - empty
+    scores = torch.rand(t, live, generator=gen)
+    if skew:
+        scores[:, 0] += 1.0  # expert 0 in every token's top-k
+    ids = scores.topk(k, dim=1).indices
+    perm = torch.randperm(e, generator=gen)[:live]  # the live experts are a random subset
+    ids = perm[ids]
+    wts = torch.rand(t, k, generator=gen) + 0.1
+    return x, ids, wts, w13, w2, sh13, sh2
+
+
+def _reference(x, ids, wts, w13, w2, sh13, sh2, fmt, sfmt, dtype=torch.float32) -> torch.Tensor:
+    """MoE.forward after routing, in `dtype`, through the reference ops."""
+    xf = x.to(dtype)
+    if dtype == torch.float32:
+        s13, g13 = (None, None) if fmt == "bf16" else (w13.scale, getattr(w13, "global_scale", None))
+        s2, g2 = (None, None) if fmt == "bf16" else (w2.scale, getattr(w2, "global_scale", None))
+        d13 = w13 if fmt == "bf16" else w13.data
+        d2 = w2 if fmt == "bf16" else w2.data
+        gu = torch.ops.m3c.grouped_gemm(xf, ids, d13, s13, g13, fmt)
+        g, u = gu.chunk(2, dim=-1)
+        down = torch.ops.m3c.grouped_gemm(F.silu(g) * u, ids, d2, s2, g2, fmt)
+    else:  # float64 on the GPU: one dense pass per expert
+        W13, W2 = _deq(w13, fmt).to(dtype), _deq(w2, fmt).to(dtype)
+        down = torch.zeros(*ids.shape, x.shape[1], dtype=dtype, device=x.device)
+        for e in range(W13.shape[0]):
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            g, u = (xf[tok] @ W13[e].t()).chunk(2, dim=-1)
+            down[tok, slot] = (F.silu(g) * u) @ W2[e].t()
+    out = (down * wts.to(dtype).unsqueeze(-1)).sum(dim=1)
+    if sfmt:
+        sg, su = (xf @ _deq(sh13, sfmt).to(dtype).t()).chunk(2, dim=-1)
+        out = out + (F.silu(sg) * su) @ _deq(sh2, sfmt).to(dtype).t()
+    return out
+
+
+def _run(mp, x, ids, wts, w13, w2, sh13, sh2, act: torch.dtype, **kw) -> torch.Tensor:
+    xa = x.to(act)
+    out = torch.full((x.shape[0], x.shape[1]), float("nan"), dtype=act, device=x.device)
+    got = mp.moe_prefill(xa, ids, wts, w13, w2, sh13, sh2, out=out, **kw)
+    assert got is out
+    return out
+
+
+def _check(got: torch.Tensor, ref: torch.Tensor, act: torch.dtype) -> None:
+    assert torch.isfinite(got).all(), "unwritten (NaN-poisoned) or non-finite outputs"
+    rel = float((got.double() - ref.double()).norm() / ref.double().norm())
+    worst = float((got.double() - ref.double()).abs().max() / ref.double().abs().max())
+    limit = 2e-6 if act == torch.float32 else 1e-2
+    assert rel < limit and worst < 5 * limit, (rel, worst)
+
+
+CASES = {
+    # id: (T, H, I, E, k, S, routed fmt, shared fmt, act, skew, empty experts)
+    "nvfp4-mxfp8sh-f32": (33, 256, 128, 8, 2, 64, "nvfp4", "mxfp8", torch.float32, False, 2),
+    "nvfp4-bf16sh-f32-skew": (200, 128, 64, 8, 2, 64, "nvfp4", "bf16", torch.float32, True, 3),
+    "nvfp4-mxfp8sh-bf16": (65, 128, 64, 8, 2, 64, "nvfp4", "mxfp8", torch.bfloat16, False, 1),
+    "nvfp4-noshared-bf16-skew": (40, 128, 64, 8, 2, 0, "nvfp4", None, torch.bfloat16, True, 0),
+    "mxfp8-mxfp8sh-f32-skew": (65, 128, 64, 8, 2, 64, "mxfp8", "mxfp8", torch.float32, True, 4),
+    "bf16-noshared-f32": (5, 128, 64, 8, 2, 0, "bf16", None, torch.float32, False, 0),
+}
+
+
+@pytest.fixture(autouse=True)
+def _poison_workspaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fill the kernels' internal buffers (act, y) with NaN so rows a launch forgets to write show up."""
+    monkeypatch.setattr(_mp(), "POISON_WORKSPACES", True)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(case: str, rng: torch.Generator) -> None:
+    """Interpreter (or GPU): the three launches equal the reference composition within dtype rounding."""
+    t, h, inter, e, k, s, fmt, sfmt, act, skew, empty = CASES[case]
+    mp = _mp()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, fmt, sfmt, rng, skew, empty)
+    x = x.to(act).float()  # bf16-exact inputs: the reference sees what the kernel sees
+    ref = _reference(x, ids, wts, w13, w2, sh13, sh2, fmt, sfmt)
+    got = _run(mp, *(_to(v, dev) for v in (x, ids, wts, w13, w2, sh13, sh2)), act)
+    _check(got.cpu(), ref, act)
+
+
+def test_tiny_batch_invalid_ids_and_determinism(rng: torch.Generator) -> None:
+    """T = 1 and 3, an id outside [0, E) contributes nothing, and repeated runs are bit-identical."""
+    mp = _mp()
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(3, 128, 32, 8, 2, 32, "nvfp4", "mxfp8", rng)
+    got1 = _run(mp, x[:1], ids[:1], wts[:1], w13, w2, sh13, sh2, torch.float32)
+    _check(got1, _reference(x[:1], ids[:1], wts[:1], w13, w2, sh13, sh2, "nvfp4", "mxfp8"), torch.float32)
+    bad = ids.clone()
+    bad[1, 0] = -1
+    bad[2, 1] = 8
+    keep = wts.clone()
+    keep[1, 0] = 0.0
+    keep[2, 1] = 0.0
+    got = _run(mp, x, bad, wts, w13, w2, sh13, sh2, torch.float32)
+    ref = _reference(x, ids, keep, w13, w2, sh13, sh2, "nvfp4", "mxfp8")
+    _check(got, ref, torch.float32)
+    again = _run(mp, x, bad, wts, w13, w2, sh13, sh2, torch.float32)
+    assert torch.equal(got, again)
+
+
+def test_rejects_bad_inputs(rng: torch.Generator) -> None:
+    """Shape, dtype and format mismatches raise ShapeError before any launch."""
+    mp = _mp()
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(4, 128, 32, 8, 2, 32, "nvfp4", "mxfp8", rng)
+    with pytest.raises(ShapeError, match="topk_ids"):
+        mp.moe_prefill(x, ids[:3], wts, w13, w2, sh13, sh2)
+    with pytest.raises(ShapeError, match="x must be"):
+        mp.moe_prefill(x.half(), ids, wts, w13, w2, sh13, sh2)
+    with pytest.raises(ShapeError, match="w2"):
+        mp.moe_prefill(x, ids, wts, w13, w13, sh13, sh2)
+    with pytest.raises(ShapeError, match="both"):
+        mp.moe_prefill(x, ids, wts, w13, w2, sh13, None)
+    with pytest.raises(ShapeError, match="global_scale"):
+        mp.moe_prefill(x, ids, wts, w13, quant.NVFP4Tensor(w2.data, w2.scale, None), sh13, sh2)
+    with pytest.raises(ShapeError, match="out"):
+        mp.moe_prefill(x, ids, wts, w13, w2, sh13, sh2, out=torch.empty(4, 64))
+    assert mp.moe_prefill_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8") is None
+    assert mp.moe_prefill_supported(100, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8") is not None
+    assert mp.moe_prefill_supported(6144, 1536, 64, 8, 1536, "fp16", "nvfp4", "mxfp8") is not None
+
+
+def _meta_weights(e: int, h: int, inter: int, s: int):
+    m = "meta"
+    w13 = quant.NVFP4Tensor(torch.empty(e, 2 * inter, h // 2, dtype=torch.uint8, device=m),
+                            torch.empty(e, 2 * inter, h // 16, dtype=torch.float8_e4m3fn, device=m),
+                            torch.empty(e, 2 * inter, 1, device=m))
+    w2 = quant.NVFP4Tensor(torch.empty(e, h, inter // 2, dtype=torch.uint8, device=m),
+                           torch.empty(e, h, inter // 16, dtype=torch.float8_e4m3fn, device=m),
+                           torch.empty(e, h, 1, device=m))
+    sh13 = quant.MXFP8Tensor(torch.empty(2 * s, h, dtype=torch.float8_e4m3fn, device=m),
+                             torch.empty(2 * s, h // 32, dtype=torch.uint8, device=m))
+    sh2 = quant.MXFP8Tensor(torch.empty(h, s, dtype=torch.float8_e4m3fn, device=m),
+                            torch.empty(h, s // 32, dtype=torch.uint8, device=m))
+    return w13, w2, sh13, sh2
+
+
+def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At m3.1-small shapes the launcher only uses specs that moe_prefill_specs lists (checked on the meta
+    device: no data, no host sync possible), with fixed grids per T; the specs AOT-compile for sm_90a
+    without register spills."""
+    from m3c.backends.triton_aot import compile_kernels
+
+    mp = _mp()
+    monkeypatch.setattr(mp, "interpreting", lambda: False)  # the GPU's tiles and dot settings
+    monkeypatch.setattr(mp, "POISON_WORKSPACES", False)
+    h, inter, e, k, s = 6144, 1536, 64, 8, 1536
+    specs = mp.moe_prefill_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")
+    listed = {sp.key() for sp in specs}
+    w13, w2, sh13, sh2 = _meta_weights(e, h, inter, s)
+    for t in (1, 65, 512, 4096, 16384):
+        seen: list = []
+        x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
+        ids = torch.empty(t, k, dtype=torch.int64, device="meta")
+        wts = torch.empty(t, k, device="meta")
+        mp.moe_prefill(x, ids, wts, w13, w2, sh13, sh2, runner=lambda sp, grid, args, seen=seen: seen.append((sp, grid, args)))
+        assert len(seen) == 3 and {sp.key() for sp, _, _ in seen} <= listed, t
+        for sp, _, args in seen:
+            assert len(args) == len(sp.arg_types), sp.family
+    large = [sp for sp in specs if sp.constexprs.get("BM", 0) == 128 or sp.family == "moe_prefill_combine"]
+    built = compile_kernels(large)  # the T >= 4096 bucket (the small one differs only in tile sizes)
+    assert sorted(b.name for b in built) == ["moe_combine_kernel", "moe_fc1_kernel", "moe_fc2_kernel"]
+    for b in built:
+        assert (b.binary and "wgmma.mma_async" in b.stages["ptx"]) or b.name == "moe_combine_kernel", b.name
+        spills = _ptxas_spills(b.stages["ptx"])
+        assert spills in (None, 0), f"{b.name} spills {spills} bytes"
+
+
+def _ptxas_spills(ptx: str) -> int | None:
+    """Spill bytes ptxas reports for sm_90a (None when Triton's ptxas for this PTX version is not there)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"
+    if not ptxas.exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        r = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(Path(tmp) / "k.o")],
+                           capture_output=True, text=True)
+    if r.returncode:
+        return None
+    nums = [int(w) for line in r.stderr.splitlines() if "spill" in line
+            for w, nxt in zip(line.split(), line.split()[1:]) if nxt == "bytes" and w.isdigit()]
+    return sum(nums)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: m3.1-small shapes (64 experts of 6144×1536, top-8, MXFP8 shared expert)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [512, 4096])
+@pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
+def test_m31_small_gpu(t: int, skew: bool, rng: torch.Generator) -> None:
+    """bf16 activations at m3.1-small shapes against a float64 reference on the GPU."""
+    mp = _mp()
+    h, inter, e, k, s = 6144, 1536, 64, 8, 1536
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng, skew=skew,
+                                               empty=3 if skew else 0)
+    x = x.bfloat16().float()
+    args = [_to(v, "cuda") for v in (x, ids, wts, w13, w2, sh13, sh2)]
+    got = _run(mp, *args, torch.bfloat16)
+    ref = _reference(*args, "nvfp4", "mxfp8", dtype=torch.float64)
+    _check(got, ref, torch.bfloat16)
+    again = _run(mp, *args, torch.bfloat16)
+    assert torch.equal(got, again), "not deterministic"
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_gpu(rng: torch.Generator) -> None:
+    """The whole launcher (sort, offsets, three launches) captures into a CUDA graph and replays correctly."""
+    mp = _mp()
+    h, inter, e, k, s = 1024, 256, 16, 4, 256
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(300, h, inter, e, k, s, "nvfp4", "mxfp8", rng)
+    args = [_to(v, "cuda") for v in (x.bfloat16(), ids, wts, w13, w2, sh13, sh2)]
+    out = torch.empty(300, h, dtype=torch.bfloat16, device="cuda")
+    mp.moe_prefill(*args, out=out)  # warm-up: JIT compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mp.moe_prefill(*args, out=out)
+    x2, ids2, wts2, *_ = _problem(300, h, inter, e, k, s, "nvfp4", "mxfp8", rng)
+    args[0].copy_(x2.bfloat16())
+    args[1].copy_(ids2)
+    args[2].copy_(wts2)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = _reference(*[a.float() if i == 0 else a for i, a in enumerate(args)], "nvfp4", "mxfp8",
+                     dtype=torch.float64)
+    _check(out, ref, torch.bfloat16)
