@@ -23,10 +23,12 @@ def cpu_pipeline(options: PipelineOptions) -> Pipeline:
 
 def hopper_pipeline(options: PipelineOptions) -> Pipeline:
     """Hopper: simplification, then the fusions whose kernels the Hopper backend has, then cleanup."""
+    from m3c.passes.fuse_moe import fuse_moe_pass
+    from m3c.passes.fuse_msa import fuse_msa_pass
     from m3c.passes.fuse_qkv import fuse_qkv_pass
 
-    return Pipeline("hopper", [*simplify(), fuse_qkv_pass(), CommonSubexpressionElimination(),
-                               DeadCodeElimination()])
+    return Pipeline("hopper", [*simplify(), fuse_qkv_pass(), fuse_moe_pass(), fuse_msa_pass(),
+                               CommonSubexpressionElimination(), DeadCodeElimination()])
 
 
 register_pipeline("cpu", cpu_pipeline)
