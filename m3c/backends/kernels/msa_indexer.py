@@ -1,39 +1,81 @@
-"""MSA indexer for decode: NVFP4 index-key scores max-pooled per KV block, then exact top-k block selection.
+"""MSA indexer: NVFP4 index-key scores max-pooled per KV block, then exact top-k block selection.
 
-Semantics: exactly ``msa.select_blocks(msa.indexer_block_scores(...))`` per request over the paged cache,
-i.e. ``m3c.model_defs.ops.select_blocks(ops.indexer_block_scores(...))``.
+Semantics: exactly ``m3c.model_defs.ops.select_blocks(ops.indexer_block_scores(...))`` over the paged
+cache (reference: :mod:`m3c.model_defs.msa`), for decode, speculative rows and chunked prefill.
 
-Kernel 1 ``indexer_scores_kernel``, grid (request, chunk of ``chunk_blocks`` blocks). A request's block
-range is split into chunks so one long context (8,192 blocks = 1M tokens at block 128) spreads over all
-SMs. A program loads the index-q rows of its request (up to ROWS query rows × G heads as one M tile, as
-even / odd columns so packed keys need no interleave), then walks its blocks through the block table,
-NBT blocks (>= 64 keys) a step: it loads packed E2M1 bytes + E4M3 scale bytes and dequantizes them in
-registers, exactly (also in the CPU interpreter) and cheaply: a nibble's bits are placed into a float32
-(3 integer ops; E2M1 e = 0 lands on subnormals, so every code reads as value × 2^-126) and multiplied
-by its scale, decoded arithmetically as scale × 2^119; the keys so carry 2^-7, undone on the scores (a
-power of two: rounding is unchanged). Two tensor-core dots follow (low nibbles × even q columns, high ×
-odd; an NVFP4 value has <= 6 significant bits, exact in bf16, so bf16 q uses bf16 dots; float32 q uses
-exact-product IEEE FMA dots, a slower test / reference path). Then it masks future keys per row,
-max-pools per block (NaN if a visible score is NaN, as torch.amax) and stores [T, G, max_blocks]
-float32. Blocks past the request's last visible block get -inf without touching keys. More than ROWS
-rows per request loop over row tiles (keys re-read per tile; decode has one tile).
+Launch (:func:`msa_indexer`; :func:`msa_indexer_decode` is its old name). Two kernels, both launched as
+``runner(spec, grid, runtime_args)`` (:data:`m3c.backends.triton_aot.Runner`: Triton's JIT by default,
+or the runtime's offline-compiled cubins). Constexprs depend on static facts only (G, D, block size,
+top_k, q dtype, max_q_rows, the phase and a bucket of the block-table width); :func:`indexer_specs`
+lists every spec the launcher can produce. Phase rule (shapes only): ``T <= max_q_rows * R`` (T rows,
+R requests) is decode, anything larger prefill. No host synchronization: CUDA-graph capturable, with
+fixed grids for a given (T, R, max_blocks).
+
+Kernel 1 ``indexer_scores_kernel``, grid (row tile, chunk of ``chunk_blocks`` blocks), tile fastest,
+so the CTAs running at once share a chunk and its keys come from L2. A request's
+block range is split into chunks so one long context (8,192 blocks = 1M tokens at block 128) spreads
+over all SMs. Decode: a program per request, its rows (<= ROWS = max_q_rows rows × G heads) the MMA's
+M tile (more rows loop over tiles, keys re-read per tile). Prefill: a program per tile of
+``PREFILL_M // G`` consecutive rows of ONE request (128 rows × 1 head on M3.1's TP4 slice); the grid is
+fixed by shapes, ``(T + R·(ROWS-1)) // ROWS`` tiles (>= sum_r ceil(rows_r / ROWS)); each program finds
+its (request, first row) by a prefix sum over ``query_start_loc`` in registers, spare ones write
+nothing. Rows are causal one by one (own positions; blocks past the tile's last position get -inf
+without touching keys). Per step a program loads NBT whole blocks (>= 64 keys) through the block table
+(packed E2M1 bytes + E4M3 scale bytes) and dequantizes in registers, exactly, even columns (low nibbles)
+and odd columns (high nibbles) apart so no nibble interleave is needed. Decode dequant paths (the DEQ
+constexpr, ``deq=``; prefill always uses "f32scale"):
+
+- "f32scale" (default): a nibble's bits placed into a float32 (3 integer ops; E2M1 e = 0 lands on
+  subnormals, so every code reads as value × 2^-126), times its scale decoded as scale × 2^119 (one
+  multiply per key value, the [KEYS, D/16] scales broadcast over their 16 values), converted to bf16
+  (exact: <= 6 significant bits) for two [M, KEYS] dots (q_even·k_lo + q_odd·k_hi), M = max(16,
+  ROWS·G); the keys' 2^-7 is undone on the scores (a power of two). ~6–7 instructions per key value.
+- "groupdot": keys stay UNSCALED (E2M1 values, exact in bf16) and are the MMA's M dim (KEYS = 128:
+  wgmma, A from registers); q is laid out block-diagonally, [D/2, (D/16)·M] (column h·M + m holds row
+  m's q on group h's rows; M = max(ROWS·G, 16·16/D, 2)), so one dot pair yields every NVFP4 group's
+  partial score [KEYS, (D/16)·M]; the group scales multiply those partials (KEYS·M·D/16 multiplies
+  instead of KEYS·D) and a sum over groups gives the score. On the GPU with bf16 q the keys are built
+  by inline PTX from four packed bytes: prmt spreads two bytes to 16-bit lanes, and/shift/or place a
+  nibble's bits as a bf16 of value × 2^-126 and one ``mul.rn.bf16x2`` by 2^126 makes both exact
+  (~2 instructions per key value); float32 q (and the interpreter) use float32 keys and IEEE dots.
+  Exact in the same sense as "f32scale". Costs D/16 × the MMA work of a plain dot: fine while M is
+  small (decode), ruinous for prefill tiles.
+- "fp8": as "groupdot", but a nibble maps EXACTLY to an E4M3 byte by a bit shuffle, byte =
+  (n & 8) << 4 | (n & 7) << 2 (value × 2^-6; E2M1 subnormal 0.5 → E4M3 subnormal), done by inline PTX
+  on four packed bytes at a time (~1 instruction per key value), fed to FP8 MMA (K = D/2 >= 32, so
+  D >= 64); the 2^-6 folds into the group scales. q is quantized to E4M3 per (row, head) with a
+  power-of-two scale (row max in [128, 256)), rounded in integer arithmetic; LOSSY: q keeps 4
+  significant bits, so scores differ from the reference by up to ~2^-5 relative and selections may
+  differ (the benchmark measures how often). Exact when q already lies on the E4M3 grid after its
+  power-of-two scale (and the FP8 MMA accumulates exactly).
+The inline PTX runs only on a GPU: the interpreter checks each path's algebra with the same values in
+float32, and the tests check the bit formulas of the PTX on every byte in torch.
+
+Scores are then masked per row (future keys -inf), max-pooled per block (NaN if a visible score is
+NaN, as torch.amax) and stored as [T, G, max_blocks] float32.
 
 Kernel 2 ``topk_blocks_kernel``, one program per (query row, group): streams the row's scores over
 blocks 0..own (later blocks hold only future keys, hence -inf; CAUSAL=False scans all) in chunks of
 CH, packing each score and its index into one int64 key (order-preserving float bits << 32 |
 (2^31 - 1 - index)) so one max-reduction yields the best score with ties to the smaller index. A
 running set of top_k - 1 keys is kept in registers; per chunk, while the chunk's best key beats the
-set's minimum it replaces it (at most top_k - 1 times a chunk: no sort). CH is up to 8,192 (16 warps,
-no spills on sm_90), so a 1M-token row is one chunk: <= 15 block-wide max-reductions for top-16. The
-own block is excluded from candidates and added at the end; NaN / -inf scores never qualify; -0.0
-ties +0.0. The <= top_k indices are ranked pairwise and scattered in ascending order, -1 padded.
+set's minimum it replaces it (at most top_k - 1 times a chunk: no sort). CH is bucketed over the
+block-table width (``TOPK_CH``: 1,024, or 8,192 = a 1M-token row in one chunk, 16 warps, no spills on
+sm_90); wider tables take several chunks. The own block is excluded from candidates and added at
+the end; NaN / -inf scores never qualify; -0.0 ties +0.0. The <= top_k indices are ranked pairwise
+and scattered in ascending order, -1 padded.
 
-Byte floor per decode step (per sparse layer): the index keys of every request's whole context, read
-once: D/2 code bytes + D/16 scale bytes per token = 72 B/token at D = 128 (72 MiB for a 1M-token
-request). Index-q, block tables, block scores (4 B per block and row) and the indices are small beside.
+Floors (per sparse layer, one GPU's slice). Decode: the index keys of every request's whole context,
+read once: D/2 code bytes + D/16 scale bytes per token = 72 B/token at D = 128 (72 MiB = 17.6 µs at
+4.28 TB/s for a 1M-token request); index-q, tables, block scores (4 B per block and row) are small
+beside. Prefill, a 4K-row chunk at 1M context (G = 1, D = 128): 2 × 4096 × 2^20 × 128 = 1.10 TFLOP
+(1.47 ms at 750 TFLOP/s bf16) — compute-bound; bytes: keys 75 MB once (tiles of one chunk hit L2) +
+scores 4096 × 8192 × 4 B written and read by kernel 2 (268 MB, 63 µs). The dequant is repeated per
+128-row tile: 32 × 134 M values on CUDA cores (~0.9 ms at ~7 ops each, overlapping the MMA). Dense
+SDPA for the same chunk (16 heads) is ~35 TFLOP.
 
 Contract: every token row belongs to a request (query_start_loc[-1] == T), positions lie in
-[0, seq_len), blocks hold block_size tokens. No host synchronization (CUDA-graph safe).
+[0, seq_len), blocks hold block_size tokens.
 """
 
 from __future__ import annotations
@@ -46,7 +88,36 @@ import triton
 import triton.language as tl
 
 from m3c.backends.kernels.qkv_fused_launch import interpreting
+from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
+
+DEQ_MODES = ("f32scale", "groupdot", "fp8")
+"""Decode dequant paths (the ``DEQ`` constexpr is the index): see the module docstring."""
+
+PREFILL_M = 128
+"""Prefill M tile: ``max(1, PREFILL_M // G)`` query rows × G index heads per program."""
+
+TOPK_CH = (1024, 8192)
+"""Top-k chunk widths, bucketed over block-table widths (8,192 blocks = 1M tokens at block 128)."""
+
+_TWO_126 = tl.constexpr(8.507059173023462e37)  # 2^126: _e2m1_tiny × 2^126 = the E2M1 value
+_TWO_120 = tl.constexpr(1.329227995784916e36)  # 2^120: _e2m1_tiny × 2^120 = the E2M1 value × 2^-6 (its E4M3 bit shuffle)
+# E2M1 nibbles -> E4M3 bytes worth value × 2^-6, four packed bytes per instance (low / high nibbles).
+_ASM_LO = tl.constexpr("{ .reg .b32 t; shl.b32 t, $1, 2; and.b32 t, t, 0x1C1C1C1C; "
+           "shl.b32 $0, $1, 4; and.b32 $0, $0, 0x80808080; or.b32 $0, $0, t; }")
+_ASM_HI = tl.constexpr("{ .reg .b32 t; and.b32 t, $1, 0x80808080; "
+           "shr.b32 $0, $1, 2; and.b32 $0, $0, 0x1C1C1C1C; or.b32 $0, $0, t; }")
+# E2M1 nibbles -> bf16 pairs: bytes 0,1 / 2,3 spread to 16-bit lanes (prmt), the nibble's bits placed as
+# sign + exponent LSBs + mantissa MSB (value × 2^-126, e = 0 subnormal), times 2^126 (0x7E80) in bf16x2.
+_ASM_BF16 = ("{ .reg .b32 z, c, t, a, b; mov.b32 z, 0; mov.b32 c, 0x7E807E80; "
+             "prmt.b32 t, $2, z, 0x4140; and.b32 a, t, M1; shl.b32 a, a, S1; and.b32 b, t, M2; shl.b32 b, b, S2; "
+             "or.b32 a, a, b; mul.rn.bf16x2 $0, a, c; "
+             "prmt.b32 t, $2, z, 0x4342; and.b32 a, t, M1; shl.b32 a, a, S1; and.b32 b, t, M2; shl.b32 b, b, S2; "
+             "or.b32 a, a, b; mul.rn.bf16x2 $1, a, c; }")
+_ASM_BF16_LO = tl.constexpr(_ASM_BF16.replace("M1", "0x00070007").replace("S1", "6").replace("M2", "0x00080008")
+                            .replace("S2", "12"))
+_ASM_BF16_HI = tl.constexpr(_ASM_BF16.replace("M1", "0x00700070").replace("S1", "2").replace("M2", "0x00800080")
+                            .replace("S2", "8"))
 
 
 @triton.jit
@@ -73,6 +144,19 @@ def _e4m3_big(byte):
 
 
 @triton.jit
+def _e4m3_pow2(byte, BIAS: tl.constexpr):
+    """E4M3 bytes (int32, 0..255) -> float32 value × 2^BIAS, exactly (NaN for 0x7F / 0xFF)."""
+    e = (byte >> 3) & 15
+    m = byte & 7
+    normal = (((e + 120 + BIAS) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub_unit = tl.full(byte.shape, (118 + BIAS) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2^(BIAS - 9)
+    mag = tl.where(e == 0, m.to(tl.float32) * sub_unit, normal)
+    nan = tl.full(byte.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    mag = tl.where((byte & 0x7F) == 0x7F, nan, mag)
+    return tl.where(byte >= 128, -mag, mag)
+
+
+@triton.jit
 def _dequant_half(b, scale, SHIFT: tl.constexpr, KEYS: tl.constexpr, D: tl.constexpr):
     """Key values × 2^-7 (exact) of the nibbles at SHIFT of bytes b [KEYS, D/2]; scale [KEYS, D/16] × 2^119."""
     v = tl.reshape(_e2m1_tiny(b, SHIFT), [KEYS, D // 16, 8])
@@ -80,21 +164,81 @@ def _dequant_half(b, scale, SHIFT: tl.constexpr, KEYS: tl.constexpr, D: tl.const
 
 
 @triton.jit
+def _round_e4m3(x):
+    """float32 x (|x| < 448) rounded to the nearest E4M3 value (ties to even), as float32, exactly.
+
+    Integer rounding of the mantissa to 3 bits for normals; subnormals (|x| < 2^-6, a 2^-9 grid) by
+    the add-and-subtract trick at 1.5 × 2^14 (float32 adds round to nearest even everywhere).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    rnd = ((mag + 0x7FFFF + ((mag >> 20) & 1)) & 0x7FF00000) | (bits & -2147483648)
+    ax = tl.abs(x)
+    sub = (ax + 24576.0) - 24576.0
+    sub = tl.where(x < 0, -sub, sub)
+    return tl.where(ax < 0.015625, sub, rnd.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _block_diag(qh, HD: tl.constexpr, NG: tl.constexpr, M: tl.constexpr):
+    """[M, HD] half-columns of q -> [HD, NG*M] block-diagonal: column h*M + m holds q[m] on group h's 8 rows."""
+    qt = tl.trans(qh)  # [HD, M]
+    grp = tl.arange(0, HD) // 8
+    h = tl.arange(0, NG)
+    bd = tl.where(grp[:, None, None] == h[None, :, None], qt[:, None, :], tl.zeros_like(qt)[:, None, :])
+    return tl.reshape(bd, [HD, NG * M])
+
+
+@triton.jit
+def _prefill_tile(pid, qsl_ptr, NR, ROWS: tl.constexpr, RB: tl.constexpr):
+    """(request, first row) of prefill tile ``pid`` (tiles numbered request by request, ceil(rows / ROWS)
+    each), by a prefix sum over query_start_loc in registers; request -1 for a spare program."""
+    r_hit = pid * 0 - 1
+    t_hit = pid * 0
+    base = pid * 0
+    for r0 in range(0, NR, RB):
+        rr = r0 + tl.arange(0, RB)
+        ok = rr < NR
+        lo = tl.load(qsl_ptr + rr, mask=ok, other=0)
+        hi = tl.load(qsl_ptr + rr + 1, mask=ok, other=0)
+        nt = tl.where(ok, (hi - lo + ROWS - 1) // ROWS, 0)
+        incl = base + tl.cumsum(nt, 0)
+        excl = incl - nt
+        hit = (excl <= pid) & (pid < incl)
+        r_hit = tl.maximum(r_hit, tl.max(tl.where(hit, rr, -1)))
+        t_hit = tl.maximum(t_hit, tl.max(tl.where(hit, lo + (pid - excl) * ROWS, 0)))
+        base += tl.sum(nt)
+    return r_hit, t_hit
+
+
+@triton.jit
 def indexer_scores_kernel(
     q_ptr, kd_ptr, ks_ptr, pos_ptr, qsl_ptr, seq_ptr, bt_ptr, out_ptr,
-    stride_qt, stride_qg, stride_bt, MB, chunk_blocks,
+    stride_qt, stride_qg, stride_bt, MB, NR, chunk_blocks,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, ROWS: tl.constexpr,
-    M: tl.constexpr, FILL: tl.constexpr, UPCAST: tl.constexpr,
+    M: tl.constexpr, FILL: tl.constexpr, PREFILL: tl.constexpr, RB: tl.constexpr, DEQ: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    """Block-max index scores of one (request, block chunk): out[t, g, b] float32 for the request's rows t."""
+    """Block-max index scores of one (row tile, block chunk): out[t, g, b] float32 for the tile's rows t.
+
+    PREFILL=False: program_id(0) is a request, whose rows are walked ROWS at a time (decode: one tile).
+    PREFILL=True: program_id(0) is one ROWS-row tile of one request (found by ``_prefill_tile``).
+    """
     KEYS: tl.constexpr = NBT * BS
     HD: tl.constexpr = D // 2
-    r = tl.program_id(0)
+    NG: tl.constexpr = D // 16
+    pid = tl.program_id(0)
+    if PREFILL:
+        r, t_lo = _prefill_tile(pid, qsl_ptr, NR, ROWS, RB)
+        t_hi = tl.where(r >= 0, tl.minimum(t_lo + ROWS, tl.load(qsl_ptr + tl.maximum(r, 0) + 1)), t_lo)
+        r = tl.maximum(r, 0)
+    else:
+        r = pid
+        t_lo = tl.load(qsl_ptr + r)
+        t_hi = tl.load(qsl_ptr + r + 1)
     c_lo = tl.program_id(1) * chunk_blocks
     c_hi = tl.minimum(c_lo + chunk_blocks, MB)
-    q_lo = tl.load(qsl_ptr + r).to(tl.int32)
-    q_hi = tl.load(qsl_ptr + r + 1).to(tl.int32)
-    n_blk = tl.cdiv(tl.load(seq_ptr + r).to(tl.int32), BS)
+    n_blk = tl.cdiv(tl.load(seq_ptr + r), BS)
     m = tl.arange(0, M)
     mt = m // G
     mg = m % G
@@ -104,8 +248,8 @@ def indexer_scores_kernel(
     jb = j // BS
     nb = tl.arange(0, NBT)
     nf = tl.arange(0, FILL)
-    for t0 in range(q_lo, q_hi, ROWS):
-        row_ok = (mt < ROWS) & (t0 + mt < q_hi)
+    for t0 in range(t_lo, t_hi, ROWS):
+        row_ok = (mt < ROWS) & (t0 + mt < t_hi)
         tok = tl.where(row_ok, t0 + mt, t0).to(tl.int64)
         qpos = tl.where(row_ok, tl.load(pos_ptr + tok).to(tl.int32), -1)
         q_off = tok * stride_qt + mg * stride_qg
@@ -114,6 +258,19 @@ def indexer_scores_kernel(
         if UPCAST:  # Triton's CPU interpreter mis-multiplies bf16 dots; f32 gives the same exact products
             q_even = q_even.to(tl.float32)
             q_odd = q_odd.to(tl.float32)
+        if DEQ == 2:  # FP8 q: a power-of-two scale per (row, head) puts the row max in [128, 256)
+            amax = tl.maximum(tl.max(tl.abs(q_even.to(tl.float32)), axis=1), tl.max(tl.abs(q_odd.to(tl.float32)), axis=1))
+            ef = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 8), 254)
+            q_up = ((261 - ef) << 23).to(tl.float32, bitcast=True)  # 2^(7 - E), E = ef - 127
+            q_down = ((ef - 7) << 23).to(tl.float32, bitcast=True)  # 2^(E - 7)
+            q_even = _round_e4m3(q_even.to(tl.float32) * q_up[:, None])
+            q_odd = _round_e4m3(q_odd.to(tl.float32) * q_up[:, None])
+        if DEQ != 0:  # block-diagonal q: one dot gives every scale group's partial score separately
+            q_even = _block_diag(q_even, HD, NG, M)
+            q_odd = _block_diag(q_odd, HD, NG, M)
+        if DEQ == 2 and not UPCAST:
+            q_even = q_even.to(tl.float8e4nv)  # exact: already on the E4M3 grid
+            q_odd = q_odd.to(tl.float8e4nv)
         out_row = out_ptr + (tok * G + mg) * MB
         max_pos = tl.max(qpos)
         n_vis = tl.where(max_pos >= 0, tl.minimum(max_pos // BS + 1, n_blk), 0)
@@ -130,17 +287,51 @@ def indexer_scores_kernel(
                 slot = phys * BS + j % BS
                 codes = tl.load(kd_ptr + slot[:, None] * HD + hc[None, :], mask=ok[:, None], other=0)
                 sbyte = tl.load(ks_ptr + slot[:, None] * (D // 16) + sc_cols[None, :], mask=ok[:, None], other=0)
-            codes = codes.to(tl.int32)
-            scale = _e4m3_big(sbyte.to(tl.int32))
-            k_lo = _dequant_half(codes, scale, 0, KEYS, D)
-            k_hi = _dequant_half(codes, scale, 4, KEYS, D)
-            if q_even.dtype == tl.float32:
-                acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
-                acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
-            else:  # e2m1 × e4m3 has <= 6 significant bits: exact in bf16 / fp16
-                acc = tl.dot(q_even, tl.trans(k_lo.to(q_even.dtype)))
-                acc = tl.dot(q_odd, tl.trans(k_hi.to(q_odd.dtype)), acc)
-            acc = acc * 128.0  # undo the keys' 2^-7 (a power of two: the sums round as unscaled ones)
+            if DEQ == 0:  # scale every key value in float32, then two [M, KEYS] dots
+                codes = codes.to(tl.int32)
+                scale = _e4m3_big(sbyte.to(tl.int32))
+                k_lo = _dequant_half(codes, scale, 0, KEYS, D)
+                k_hi = _dequant_half(codes, scale, 4, KEYS, D)
+                if q_even.dtype == tl.float32:
+                    acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
+                    acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
+                else:  # e2m1 × e4m3 has <= 6 significant bits: exact in bf16 / fp16
+                    acc = tl.dot(q_even, tl.trans(k_lo.to(q_even.dtype)))
+                    acc = tl.dot(q_odd, tl.trans(k_hi.to(q_odd.dtype)), acc)
+                acc = acc * 128.0  # undo the keys' 2^-7 (a power of two: the sums round as unscaled ones)
+            else:  # unscaled keys as the MMA M dim; the group scales multiply the [KEYS, NG*M] partials
+                if DEQ == 1:
+                    scale = _e4m3_pow2(sbyte.to(tl.int32), 0)
+                    if q_even.dtype == tl.float32:  # interpreter / float32 q: the E2M1 values in float32
+                        ci = codes.to(tl.int32)
+                        k_lo = _e2m1_tiny(ci, 0) * _TWO_126
+                        k_hi = _e2m1_tiny(ci, 4) * _TWO_126
+                    else:  # bf16 straight from the packed bytes (exact), ~2 instructions per value
+                        k_lo = tl.inline_asm_elementwise(_ASM_BF16_LO, "=r,=r,r", [codes], dtype=tl.bfloat16,
+                                                         is_pure=True, pack=4)
+                        k_hi = tl.inline_asm_elementwise(_ASM_BF16_HI, "=r,=r,r", [codes], dtype=tl.bfloat16,
+                                                         is_pure=True, pack=4)
+                else:
+                    if UPCAST:  # the interpreter cannot run PTX: the same values (E2M1 × 2^-6) in float32
+                        ci = codes.to(tl.int32)
+                        k_lo = _e2m1_tiny(ci, 0) * _TWO_120
+                        k_hi = _e2m1_tiny(ci, 4) * _TWO_120
+                    else:  # E2M1 -> E4M3 bit shuffle, four packed keys per 2 integer ops
+                        k_lo = tl.inline_asm_elementwise(_ASM_LO, "=r,r", [codes], dtype=tl.uint8, is_pure=True,
+                                                         pack=4).to(tl.float8e4nv, bitcast=True)
+                        k_hi = tl.inline_asm_elementwise(_ASM_HI, "=r,r", [codes], dtype=tl.uint8, is_pure=True,
+                                                         pack=4).to(tl.float8e4nv, bitcast=True)
+                    scale = _e4m3_pow2(sbyte.to(tl.int32), 6)  # undoes the keys' 2^-6
+                if k_lo.dtype == tl.float32:
+                    part = tl.dot(k_lo, q_even, input_precision="ieee")
+                    part = tl.dot(k_hi, q_odd, part, input_precision="ieee")
+                else:
+                    part = tl.dot(k_lo, q_even)
+                    part = tl.dot(k_hi, q_odd, part)
+                part = tl.reshape(part, [KEYS, NG, M]) * scale[:, :, None]
+                acc = tl.trans(tl.sum(part, axis=1))
+                if DEQ == 2:
+                    acc = acc * q_down[:, None]
             key_pos = blk * BS + j % BS
             vis = (key_pos[None, :] <= qpos[:, None]) & ok[None, :]
             s = tl.where(vis, acc, float("-inf"))
@@ -204,61 +395,176 @@ def _num_sms(device: torch.device) -> int:
     return 132  # H200
 
 
-def pick_chunk_blocks(n_req: int, max_blocks: int, nbt: int, num_sms: int) -> int:
-    """Blocks per kernel-1 program: ~4 waves of programs over the batch, 2..64 blocks each (a multiple of nbt)."""
-    want = triton.cdiv(n_req * max_blocks, 4 * num_sms)
+def pick_chunk_blocks(n_prog: int, max_blocks: int, nbt: int, num_sms: int) -> int:
+    """Blocks per kernel-1 program: ~4 waves over ``n_prog`` row tiles, 2..64 blocks each (a multiple of nbt)."""
+    want = triton.cdiv(n_prog * max_blocks, 4 * num_sms)
     chunk = min(max(want, 2, nbt), 64, max(max_blocks, 1))
     return triton.cdiv(chunk, nbt) * nbt
 
 
-def _configs(g: int, d: int, block_size: int, top_k: int, max_blocks: int, max_q_rows: int,
-             ) -> tuple[dict[str, Any], int, dict[str, Any], int]:
-    """(constexprs, num_warps) of kernel 1, then of kernel 2, for one layout."""
-    nbt = max(1, 64 // block_size)
-    k1 = dict(G=g, D=d, BS=block_size, NBT=nbt, ROWS=max_q_rows, M=max(16, triton.next_power_of_2(max_q_rows * g)),
-              FILL=32, UPCAST=interpreting())
-    ch = min(8192, max(16, triton.next_power_of_2(max_blocks)))  # 1M tokens at block 128: one chunk
-    k2 = dict(G=g, BS=block_size, K=top_k, KO=max(2, triton.next_power_of_2(top_k)), CH=ch, CAUSAL=True)
-    return k1, (8 if nbt * block_size * d >= 8192 else 4), k2, max(4, min(16, ch // 512))
+def is_prefill(num_rows: int, num_requests: int, max_q_rows: int) -> bool:
+    """The phase rule (shapes only): more than ``max_q_rows`` rows per request on average is prefill."""
+    return num_rows > max_q_rows * num_requests
 
 
-def indexer_specs(g: int, d: int, block_size: int, top_k: int, max_blocks: int, max_q_rows: int = 8,
-                  q: str = "bf16") -> list[Any]:
-    """AOT KernelSpecs of both kernels as msa_indexer_decode launches them (q: "bf16" or "fp32")."""
-    from m3c.backends.triton_aot import KernelSpec
+def _nbt(block_size: int) -> int:
+    return max(1, 64 // block_size)
 
-    k1, w1, k2, w2 = _configs(g, d, block_size, top_k, max_blocks, max_q_rows)
-    t1 = {"q_ptr": f"*{q}", "kd_ptr": "*u8", "ks_ptr": "*u8", "pos_ptr": "*i64", "qsl_ptr": "*i32", "seq_ptr": "*i32",
-          "bt_ptr": "*i32", "out_ptr": "*fp32", "stride_qt": "i32", "stride_qg": "i32", "stride_bt": "i32",
-          "MB": "i32", "chunk_blocks": "i32"}
-    t2 = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "MB": "i32"}
-    return [KernelSpec("msa_indexer_scores", indexer_scores_kernel, t1, k1 | {"UPCAST": False}, w1, 3,
-                       divisible_16=("q_ptr", "kd_ptr", "ks_ptr", "out_ptr")),
-            KernelSpec("msa_topk_blocks", topk_blocks_kernel, t2, k2, w2, 1, divisible_16=("scores_ptr", "out_ptr"))]
+
+def _scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefill: bool, deq: str,
+                 upcast: bool) -> KernelSpec:
+    nbt = _nbt(block_size)
+    ng = d // 16
+    dq = DEQ_MODES.index(deq)
+    m = triton.next_power_of_2(rows * g)
+    m = max(m, 16) if dq == 0 else max(m, triton.cdiv(16, ng), 2)  # tl.dot: every dim >= 16
+    consts = dict(G=g, D=d, BS=block_size, NBT=nbt, ROWS=rows, M=m, FILL=32, PREFILL=prefill, RB=64, DEQ=dq,
+                  UPCAST=upcast)
+    types = {"q_ptr": f"*{q_dtype}", "kd_ptr": "*u8", "ks_ptr": "*u8", "pos_ptr": "*i64", "qsl_ptr": "*i32",
+             "seq_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32", "stride_qt": "i32", "stride_qg": "i32",
+             "stride_bt": "i32", "MB": "i32", "NR": "i32", "chunk_blocks": "i32"}
+    warps = 8 if prefill or nbt * block_size * d >= 8192 else 4
+    return KernelSpec("msa_indexer_scores", indexer_scores_kernel, types, consts, warps, 3,
+                      divisible_16=("kd_ptr", "ks_ptr", "out_ptr"))
+
+
+def _topk_spec(g: int, block_size: int, top_k: int, ch: int) -> KernelSpec:
+    consts = dict(G=g, BS=block_size, K=top_k, KO=max(2, triton.next_power_of_2(top_k)), CH=ch, CAUSAL=True)
+    types = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "MB": "i32"}
+    return KernelSpec("msa_topk_blocks", topk_blocks_kernel, types, consts, max(4, min(16, ch // 512)), 1,
+                      divisible_16=("scores_ptr", "out_ptr"))
+
+
+def _topk_ch(max_blocks: int) -> int:
+    return next((c for c in TOPK_CH if max_blocks <= c), TOPK_CH[-1])  # wider tables: the chunk loop
+
+
+def _prefill_rows(g: int, prefill_m: int) -> int:
+    return max(1, prefill_m // g)
+
+
+def indexer_specs(g: int, d: int, block_size: int, top_k: int, q_dtype: str = "bf16", max_q_rows: int = 8, *,
+                  deq: str = "f32scale", prefill_m: int = PREFILL_M, upcast: bool = False) -> list[KernelSpec]:
+    """Every KernelSpec :func:`msa_indexer` can launch for this layout (GPU settings unless ``upcast``):
+    the decode and the prefill scores kernels, then the top-k kernel at each chunk width of TOPK_CH."""
+    if q_dtype not in ("bf16", "fp32"):
+        raise ShapeError(f"q_dtype={q_dtype!r}: expected 'bf16' or 'fp32'")
+    if deq not in DEQ_MODES:
+        raise ShapeError(f"deq={deq!r}: expected one of {DEQ_MODES}")
+    return [_scores_spec(g, d, block_size, q_dtype, max_q_rows, False, deq, upcast),
+            _scores_spec(g, d, block_size, q_dtype, _prefill_rows(g, prefill_m), True, "f32scale", upcast),
+            *(_topk_spec(g, block_size, top_k, ch) for ch in TOPK_CH)]
 
 
 def _check(index_q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, positions: torch.Tensor,
            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
-           top_k: int, max_q_rows: int) -> None:
+           top_k: int, max_q_rows: int, deq: str) -> None:
     if index_q.dim() != 3:
         raise ShapeError(f"index_q has shape {tuple(index_q.shape)}: expected [T, G, D]")
+    if index_q.dtype not in (torch.bfloat16, torch.float32):
+        raise ShapeError(f"index_q has dtype {index_q.dtype}: expected bfloat16 or float32 (convert it first)")
     t, _, d = index_q.shape
     if d < 32 or d & (d - 1):
         raise ShapeError(f"index head dim {d} must be a power of two >= 32")
+    if deq not in DEQ_MODES:
+        raise ShapeError(f"deq={deq!r}: expected one of {DEQ_MODES}")
+    if deq == "fp8" and d < 64 and not interpreting():
+        raise ShapeError(f"deq='fp8' needs index head dim >= 64 (FP8 MMA K = D/2 >= 32), got {d}")
     if block_size < 1 or block_size & (block_size - 1):
         raise ShapeError(f"block_size={block_size} must be a power of two")
     if k_data.dim() != 4 or tuple(k_data.shape[1:]) != (block_size, 1, d // 2) or k_data.dtype != torch.uint8:
         raise ShapeError(f"k_data {tuple(k_data.shape)} {k_data.dtype}: expected uint8 [NB, {block_size}, 1, {d // 2}]")
     if tuple(k_scale.shape) != (k_data.shape[0], block_size, 1, d // 16) or k_scale.element_size() != 1:
         raise ShapeError(f"k_scale {tuple(k_scale.shape)}: expected float8_e4m3fn [NB, {block_size}, 1, {d // 16}]")
+    if not (k_data.is_contiguous() and k_scale.is_contiguous()):
+        raise ShapeError("k_data / k_scale must be contiguous (the kernel addresses blocks by their index)")
     r = seq_lens.shape[0]
     if block_table.dim() != 2 or block_table.shape[0] != r or tuple(query_start_loc.shape) != (r + 1,):
         raise ShapeError(f"block_table {tuple(block_table.shape)} / query_start_loc {tuple(query_start_loc.shape)} "
                          f"do not match {r} requests")
     if tuple(positions.shape) != (t,):
         raise ShapeError(f"positions has shape {tuple(positions.shape)}: expected ({t},)")
+    want = {"positions": (positions, torch.int64), "query_start_loc": (query_start_loc, torch.int32),
+            "seq_lens": (seq_lens, torch.int32), "block_table": (block_table, torch.int32)}
+    for name, (x, dt) in want.items():
+        if x.dtype != dt:
+            raise ShapeError(f"{name} has dtype {x.dtype}: expected {dt} (as BatchMetadata builds it)")
     if top_k < 1 or max_q_rows < 1:
         raise ShapeError(f"top_k={top_k} and max_q_rows={max_q_rows} must be >= 1")
+
+
+def _aligned(**tensors: torch.Tensor) -> None:
+    for name, x in tensors.items():
+        if x.data_ptr() % 16:
+            raise ShapeError(f"{name} must start 16-byte aligned (the compiled kernels assume it): pass a fresh "
+                             "tensor or a .clone()")
+
+
+def msa_indexer(
+    index_q: torch.Tensor,
+    k_data: torch.Tensor,
+    k_scale: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    top_k: int,
+    *,
+    max_q_rows: int = 8,
+    runner: Runner = jit_run,
+    scores_out: torch.Tensor | None = None,
+    selected_out: torch.Tensor | None = None,
+    deq: str = "f32scale",
+    prefill_m: int = PREFILL_M,
+    chunk_blocks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block scores float32 [T, G, max_blocks] and selected blocks int64 [T, G, top_k] (two launches).
+
+    ``index_q`` [T, G, D] float32 / bf16; ``k_data`` uint8 [NB, block_size, 1, D/2] and ``k_scale``
+    float8_e4m3fn [NB, block_size, 1, D/16] (the paged NVFP4 index-key cache); batch metadata as in
+    :class:`m3c.model_defs.kv_cache.BatchMetadata` (int64 positions, int32 starts / lengths / table).
+    ``T <= max_q_rows * R`` runs the decode configuration (a program per request and block chunk),
+    otherwise the prefill one (a program per ``prefill_m // G``-row tile and block chunk). ``deq``
+    picks the decode dequant path (``DEQ_MODES``; prefill always uses "f32scale"). ``scores_out`` /
+    ``selected_out``: optional preallocated outputs. ``chunk_blocks`` overrides the blocks per program
+    (a runtime argument). Launch shapes come from tensor sizes only; no host synchronization.
+    """
+    _check(index_q, k_data, k_scale, positions, query_start_loc, seq_lens, block_table, block_size, top_k,
+           max_q_rows, deq)
+    t, g, d = index_q.shape
+    n_req, mb = block_table.shape
+    dev = index_q.device
+    scores = scores_out if scores_out is not None else torch.empty((t, g, mb), dtype=torch.float32, device=dev)
+    selected = selected_out if selected_out is not None else torch.empty((t, g, top_k), dtype=torch.int64, device=dev)
+    if tuple(scores.shape) != (t, g, mb) or tuple(selected.shape) != (t, g, top_k):
+        raise ShapeError(f"outputs {tuple(scores.shape)}, {tuple(selected.shape)}: expected ({t}, {g}, {mb}), "
+                         f"({t}, {g}, {top_k})")
+    if scores.dtype != torch.float32 or selected.dtype != torch.int64 or not (
+            scores.is_contiguous() and selected.is_contiguous()):
+        raise ShapeError("scores_out must be contiguous float32 and selected_out contiguous int64")
+    if t == 0 or n_req == 0 or mb == 0:
+        return scores, selected
+    if index_q.stride(-1) != 1:
+        index_q = index_q.contiguous()
+    if block_table.stride(-1) != 1:
+        block_table = block_table.contiguous()
+    _aligned(k_data=k_data, k_scale=k_scale, scores_out=scores, selected_out=selected)
+    q_name = "bf16" if index_q.dtype == torch.bfloat16 else "fp32"
+    prefill = is_prefill(t, n_req, max_q_rows)
+    if prefill:
+        rows = _prefill_rows(g, prefill_m)
+        spec = _scores_spec(g, d, block_size, q_name, rows, True, "f32scale", interpreting())
+        n_prog = (t + n_req * (rows - 1)) // rows  # >= sum_r ceil(rows_r / rows)
+    else:
+        spec = _scores_spec(g, d, block_size, q_name, max_q_rows, False, deq, interpreting())
+        n_prog = n_req
+    chunk = chunk_blocks or pick_chunk_blocks(n_prog, mb, spec.constexprs["NBT"], _num_sms(dev))
+    runner(spec, (n_prog, triton.cdiv(mb, chunk)),
+           (index_q, k_data, k_scale.view(torch.uint8), positions, query_start_loc, seq_lens, block_table, scores,
+            index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, n_req, chunk))
+    runner(_topk_spec(g, block_size, top_k, _topk_ch(mb)), (t * g,), (scores, positions, selected, mb))
+    return scores, selected
 
 
 def msa_indexer_decode(
@@ -272,39 +578,8 @@ def msa_indexer_decode(
     block_size: int,
     top_k: int,
     max_q_rows: int = 8,
-    *,
-    scores_out: torch.Tensor | None = None,
-    selected_out: torch.Tensor | None = None,
-    chunk_blocks: int | None = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block scores float32 [T, G, max_blocks] and selected blocks int64 [T, G, top_k] (two launches).
-
-    ``index_q`` [T, G, D] float32 / bf16; ``k_data`` uint8 [NB, block_size, 1, D/2] and ``k_scale``
-    float8_e4m3fn [NB, block_size, 1, D/16] (the paged NVFP4 index-key cache); batch metadata as in
-    :class:`m3c.model_defs.kv_cache.BatchMetadata`. ``max_q_rows`` sizes the query tile (more rows
-    per request still work, at one key pass per tile). ``scores_out`` / ``selected_out`` are optional
-    preallocated outputs (static buffers for CUDA graphs). Shapes come from tensor sizes only.
-    """
-    _check(index_q, k_data, k_scale, positions, query_start_loc, seq_lens, block_table, block_size, top_k,
-           max_q_rows)
-    t, g, d = index_q.shape
-    n_req, mb = block_table.shape
-    dev = index_q.device
-    scores = scores_out if scores_out is not None else torch.empty((t, g, mb), dtype=torch.float32, device=dev)
-    selected = selected_out if selected_out is not None else torch.empty((t, g, top_k), dtype=torch.int64, device=dev)
-    if tuple(scores.shape) != (t, g, mb) or tuple(selected.shape) != (t, g, top_k):
-        raise ShapeError(f"outputs {tuple(scores.shape)}, {tuple(selected.shape)}: expected ({t}, {g}, {mb}), "
-                         f"({t}, {g}, {top_k})")
-    if t == 0 or n_req == 0 or mb == 0:
-        return scores, selected
-    if index_q.stride(-1) != 1:
-        index_q = index_q.contiguous()
-    if block_table.stride(-1) != 1:
-        block_table = block_table.contiguous()
-    k1, w1, k2, w2 = _configs(g, d, block_size, top_k, mb, max_q_rows)
-    chunk = chunk_blocks or pick_chunk_blocks(n_req, mb, k1["NBT"], _num_sms(dev))
-    indexer_scores_kernel[(n_req, triton.cdiv(mb, chunk))](
-        index_q, k_data, k_scale.view(torch.uint8), positions, query_start_loc, seq_lens, block_table, scores,
-        index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, chunk, **k1, num_warps=w1, num_stages=3)
-    topk_blocks_kernel[(t * g,)](scores, positions, selected, mb, **k2, num_warps=w2)
-    return scores, selected
+    """Alias of :func:`msa_indexer` (its earlier name and positional ``max_q_rows``), kept for callers."""
+    return msa_indexer(index_q, k_data, k_scale, positions, query_start_loc, seq_lens, block_table, block_size,
+                       top_k, max_q_rows=max_q_rows, **kwargs)

@@ -1,10 +1,13 @@
-"""The MSA decode indexer kernels (NVFP4 block scores + exact top-k) against the reference ops.
+"""The MSA indexer kernels (NVFP4 block scores + exact top-k) against the reference ops.
 
-CPU CI runs them in Triton's interpreter at tiny shapes; `-m gpu` runs m3.1-small shapes (32K and 1M
-tokens). "Exact" inputs (q in multiples of 1/8, power-of-two scales) make every partial sum exact in
-float32, so scores must equal the reference bit for bit whatever the summation order, and the
-selection must equal `select_blocks` on the reference scores. General inputs compare scores to float32
-rounding and the selection to `select_blocks` on the kernel's own scores.
+CPU CI runs them in Triton's interpreter at tiny shapes (decode, speculative rows, prefill tiles, every
+decode dequant path); `-m gpu` runs m3.1-small shapes (32K and 1M tokens, a 4K-row prefill chunk at
+128K and 1M, the offline-compiled cubins through the runtime's CubinRunner). "Exact" inputs (q in
+multiples of 1/8 within [-2, 2], power-of-two scales) make every partial sum exact in float32, so
+scores must equal the reference bit for bit whatever the summation order, and the selection must equal
+`select_blocks` on the reference scores. General inputs compare scores to float32 rounding and the
+selection to `select_blocks` on the kernel's own scores. The "fp8" path quantizes q: it is compared
+with the reference on the same power-of-two-scaled E4M3 q (exact inputs are already on that grid).
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from m3c.backends.kernels.msa_indexer import _prefill_tile
+from m3c.backends.triton_aot import KernelSpec
 from m3c.errors import ShapeError
 from m3c.model_defs import ops
 
@@ -62,16 +69,39 @@ def _batch(lens: list[int], rows: list[int], bs: int, d: int, g: int, gen: torch
             "seq_lens": torch.tensor(lens, dtype=torch.int32, device=device), "block_table": table.to(device)}
 
 
-def _reference(b: dict, bs: int) -> torch.Tensor:
-    return ops.indexer_block_scores(b["index_q"], b["k_data"], b["k_scale"], "nvfp4", b["positions"],
+def _fp8_q(q: torch.Tensor) -> torch.Tensor:
+    """q as the "fp8" path sees it: per (row, head) times 2^(7 - floor(log2 amax)), rounded to E4M3, scaled back."""
+    qf = q.float()
+    amax = qf.abs().amax(dim=-1, keepdim=True)
+    e = torch.frexp(amax).exponent - 1  # floor(log2 amax) for amax > 0
+    e = torch.where(amax > 0, e, torch.full_like(e, -119)).clamp(-119, 127)
+    scale = torch.ldexp(torch.ones_like(qf[..., :1]), 7 - e)
+    return (qf * scale).to(torch.float8_e4m3fn).float() / scale
+
+
+def _reference(b: dict, bs: int, deq: str = "f32scale") -> torch.Tensor:
+    q = _fp8_q(b["index_q"]) if deq == "fp8" else b["index_q"]
+    return ops.indexer_block_scores(q, b["k_data"], b["k_scale"], "nvfp4", b["positions"],
                                     b["query_start_loc"], b["seq_lens"], b["block_table"], bs)
+
+
+def _run(b: dict, bs: int, top_k: int, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """msa_indexer into poisoned output buffers (NaN scores, -7 indices): unwritten elements show."""
+    t, g, _ = b["index_q"].shape
+    dev = b["index_q"].device
+    scores = torch.full((t, g, b["block_table"].shape[1]), float("nan"), device=dev)
+    sel = torch.full((t, g, top_k), -7, dtype=torch.int64, device=dev)
+    out = _kernels().msa_indexer(**b, block_size=bs, top_k=top_k, scores_out=scores, selected_out=sel, **kw)
+    assert out[0] is scores and out[1] is sel
+    return scores, sel
 
 
 def _check(b: dict, bs: int, top_k: int, *, exact: bool, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernels and compare with the reference; returns (scores, selected)."""
-    scores, sel = _kernels().msa_indexer_decode(**b, block_size=bs, top_k=top_k, **kw)
-    ref = _reference(b, bs)
+    scores, sel = _run(b, bs, top_k, **kw)
+    ref = _reference(b, bs, kw.get("deq", "f32scale"))
     assert scores.dtype == torch.float32 and sel.dtype == torch.int64
+    assert not (sel == -7).any()
     if exact:
         assert torch.equal(scores, ref)
     else:
@@ -109,14 +139,130 @@ def test_every_output_written(rng: torch.Generator) -> None:
     """Poisoned output buffers: every score (including the -inf padding columns) and index is written."""
     bs, top_k = 8, 4
     b = _batch([70, 13, 33], [2, 1, 3], bs, 64, 2, rng, exact=False, spare_cols=9)
-    t, g, _ = b["index_q"].shape
-    mb = b["block_table"].shape[1]
-    scores = torch.full((t, g, mb), float("nan"))
-    sel = torch.full((t, g, top_k), -7, dtype=torch.int64)
-    out = _check(b, bs, top_k, exact=False, scores_out=scores, selected_out=sel, chunk_blocks=4)
-    assert out[0] is scores and out[1] is sel
-    assert not torch.isnan(scores).any() and not (sel == -7).any()
+    scores, _ = _check(b, bs, top_k, exact=False, chunk_blocks=4)
+    assert not torch.isnan(scores).any()
     assert (scores[..., 10:] == float("-inf")).all()
+
+
+DEQ_CASES = [
+    # (D, block_size, G, context lengths, rows per request, top_k, q dtype, max_q_rows)
+    (64, 8, 2, [37, 100, 9], [1, 3, 2], 4, torch.bfloat16, 4),
+    (64, 16, 1, [200, 48, 30], [5, 1, 0], 3, torch.float32, 2),  # 5 rows: 3 decode tiles; an idle request
+    (32, 64, 1, [300, 65], [2, 1], 2, torch.bfloat16, 2),  # one whole block a step (the GPU shape)
+]
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("deq", ["groupdot", "fp8"])
+@pytest.mark.parametrize("case", DEQ_CASES, ids=[f"d{c[0]}-bs{c[1]}-g{c[2]}" for c in DEQ_CASES])
+def test_decode_dequant_paths(case: tuple, deq: str, exact: bool, rng: torch.Generator) -> None:
+    """Every decode dequant path: exact paths bit-exact on exact inputs; "fp8" equals the reference on
+    its E4M3-quantized q (exactly when q is on the E4M3 grid, as the exact inputs are)."""
+    d, bs, g, lens, rows, top_k, q_dtype, max_rows = case
+    b = _batch(lens, rows, bs, d, g, rng, exact=exact, q_dtype=q_dtype)
+    assert not _kernels().is_prefill(b["index_q"].shape[0], len(lens), max_rows)
+    _check(b, bs, top_k, exact=exact, max_q_rows=max_rows, deq=deq, chunk_blocks=3)
+    if exact and deq == "fp8":  # exact inputs lose nothing to the quantization
+        assert torch.equal(_fp8_q(b["index_q"]), b["index_q"].float())
+
+
+def test_fp8_nibble_shuffle_is_exact() -> None:
+    """The "fp8" path's bit shuffle (its inline PTX does this on four packed bytes): every E2M1 nibble,
+    low or high, becomes the E4M3 byte of exactly its value × 2^-6."""
+    byte = torch.arange(256, dtype=torch.int32)
+    lo = ((byte << 4) & 0x80) | ((byte << 2) & 0x1C)  # _ASM_LO per byte
+    hi = (byte & 0x80) | ((byte >> 2) & 0x1C)  # _ASM_HI per byte
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    for got, nib in ((lo, byte & 15), (hi, byte >> 4)):
+        val = got.to(torch.uint8).view(torch.float8_e4m3fn).float()
+        assert torch.equal(val, e2m1[nib] / 64)
+    asm = _kernels()._ASM_LO.value + _kernels()._ASM_HI.value
+    assert "0x1C1C1C1C" in asm and "0x80808080" in asm
+
+
+def test_bf16_nibble_placement_is_exact() -> None:
+    """The "groupdot" path's inline PTX per nibble: sign -> bit 15, (e1 e0 m) -> bits 8..6 is a bf16 of value
+    × 2^-126 (e = 0 subnormal), which times 2^126 (0x7E80) is the E2M1 value exactly."""
+    byte = torch.arange(256, dtype=torch.int32)
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    lo = ((byte & 0x07) << 6) | ((byte & 0x08) << 12)  # masks / shifts of _ASM_BF16_LO
+    hi = ((byte & 0x70) << 2) | ((byte & 0x80) << 8)  # ... and of _ASM_BF16_HI
+    two126 = torch.tensor([0x7E80], dtype=torch.int16).view(torch.bfloat16).double()
+    assert two126.item() == 2.0**126
+    for bits, nib in ((lo, byte & 15), (hi, byte >> 4)):
+        val = bits.to(torch.int16).view(torch.bfloat16).double() * two126
+        assert torch.equal(val, e2m1[nib])
+    mi = _kernels()
+    assert "0x00070007; shl.b32 a, a, 6" in mi._ASM_BF16_LO.value and "0x00800080; shl.b32 b, b, 8" in mi._ASM_BF16_HI.value
+
+
+PREFILL_CASES = [
+    # (D, block_size, G, context lengths, rows per request, top_k, q dtype, prefill_m, chunk_blocks)
+    (64, 8, 2, [90, 30, 61, 17], [21, 0, 9, 17], 4, torch.float32, 16, 3),  # 8-row tiles, an idle request
+    (32, 16, 1, [300, 41], [40, 7], 5, torch.bfloat16, 16, None),  # 16-row tiles
+    (32, 8, 1, [150, 40], [30, 12], 4, torch.bfloat16, 128, 4),  # the default tile (128 rows × G)
+]
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=[f"d{c[0]}-g{c[2]}-m{c[7]}" for c in PREFILL_CASES])
+def test_prefill_tiles(case: tuple, exact: bool, rng: torch.Generator) -> None:
+    """Prefill chunks (rows = the last positions of each request, several tiles a request, requests of
+    different lengths, one with no rows): every row causal on its own position, against the reference."""
+    d, bs, g, lens, rows, top_k, q_dtype, prefill_m, chunk = case
+    b = _batch(lens, rows, bs, d, g, rng, exact=exact, q_dtype=q_dtype)
+    assert _kernels().is_prefill(b["index_q"].shape[0], len(lens), 2)
+    _check(b, bs, top_k, exact=exact, max_q_rows=2, prefill_m=prefill_m, chunk_blocks=chunk)
+
+
+@triton.jit
+def _tiles_kernel(qsl_ptr, out_ptr, NR, ROWS: tl.constexpr, RB: tl.constexpr):
+    """(request, first row) of each prefill tile, as the scores kernel computes them."""
+    pid = tl.program_id(0)
+    r, t = _prefill_tile(pid, qsl_ptr, NR, ROWS, RB)
+    tl.store(out_ptr + 2 * pid, r)
+    tl.store(out_ptr + 2 * pid + 1, tl.where(r >= 0, t, -1))
+
+
+def test_prefill_tile_map_over_many_requests(rng: torch.Generator) -> None:
+    """_prefill_tile (the in-register prefix sum) with request blocks of RB=4 over 11 requests: every
+    (request, first row) of ceil(rows / ROWS) tiles each, in order, then spare programs (-1)."""
+    _kernels()
+    rows = torch.randint(0, 9, (11,), generator=rng)
+    rows[3] = 0
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), rows.cumsum(0)]).to(torch.int32)
+    t, n_req, tile = int(rows.sum()), 11, 3
+    n_prog = (t + n_req * (tile - 1)) // tile
+    out = torch.full((n_prog, 2), -9, dtype=torch.int32)
+    _tiles_kernel[(n_prog,)](qsl, out, n_req, ROWS=tile, RB=4)
+    want = [(r, int(qsl[r]) + i * tile) for r in range(n_req) for i in range(-(-int(rows[r]) // tile))]
+    want += [(-1, -1)] * (n_prog - len(want))
+    assert [tuple(x) for x in out.tolist()] == want
+
+
+def test_launcher_specs_are_listed() -> None:
+    """Every spec the launcher produces, at several (T, R, max_blocks), phases and dequant paths, is in
+    indexer_specs (by key), so an AOT compile of that list serves every launch."""
+    mi = _kernels()
+    g, d, bs, top_k = 2, 64, 16, 4
+    seen: set[str] = set()
+
+    def record(spec: KernelSpec, grid: tuple[int, ...], args: tuple) -> None:  # a Runner
+        assert len(args) == len(spec.arg_types)
+        seen.add(spec.key())
+
+    for deq in mi.DEQ_MODES:
+        listed = {s.key() for s in mi.indexer_specs(g, d, bs, top_k, "bf16", 4, deq=deq, upcast=mi.interpreting())}
+        for t, r, mb in ((1, 1, 3), (4, 1, 1000), (7, 3, 1025), (13, 3, 9000), (300, 2, 8192), (5, 1, 17)):
+            b = {"index_q": torch.zeros(t, g, d, dtype=torch.bfloat16),
+                 "k_data": torch.zeros(4, bs, 1, d // 2, dtype=torch.uint8),
+                 "k_scale": torch.zeros(4, bs, 1, d // 16, dtype=torch.float8_e4m3fn),
+                 "positions": torch.zeros(t, dtype=torch.int64),
+                 "query_start_loc": torch.tensor([0] * r + [t], dtype=torch.int32),
+                 "seq_lens": torch.ones(r, dtype=torch.int32), "block_table": torch.zeros(r, mb, dtype=torch.int32)}
+            seen.clear()
+            mi.msa_indexer(**b, block_size=bs, top_k=top_k, max_q_rows=4, deq=deq, runner=record)
+            assert len(seen) == 2 and seen <= listed, (t, r, mb, deq)
 
 
 def test_first_block_row_pads_with_minus_one(rng: torch.Generator) -> None:
@@ -196,31 +342,125 @@ def test_topk_special_values_and_many_chunks(top_k: int, rng: torch.Generator) -
 def test_rejects_bad_shapes(rng: torch.Generator) -> None:
     b = _batch([20], [1], 8, 64, 1, rng, exact=True)
     mi = _kernels()
-    with pytest.raises(ShapeError):
+    with pytest.raises(ShapeError, match="k_data"):
         mi.msa_indexer_decode(**b, block_size=16, top_k=2)
-    with pytest.raises(ShapeError):
+    with pytest.raises(ShapeError, match="positions"):
         mi.msa_indexer_decode(**(b | {"positions": b["positions"][:0]}), block_size=8, top_k=2)
-    with pytest.raises(ShapeError):
+    with pytest.raises(ShapeError, match="top_k"):
         mi.msa_indexer_decode(**b, block_size=8, top_k=0)
+    with pytest.raises(ShapeError, match="dtype"):
+        mi.msa_indexer(**(b | {"query_start_loc": b["query_start_loc"].long()}), block_size=8, top_k=2)
+    with pytest.raises(ShapeError, match="dtype"):
+        mi.msa_indexer(**(b | {"index_q": b["index_q"].half()}), block_size=8, top_k=2)
+    with pytest.raises(ShapeError, match="deq"):
+        mi.msa_indexer(**b, block_size=8, top_k=2, deq="fp4")
+    with pytest.raises(ShapeError, match="aligned"):
+        mi.msa_indexer(**b, block_size=8, top_k=2, scores_out=torch.empty(6)[1:].view(1, 1, 5))
+
+
+def _resources(binary: bytes) -> str:
+    """cuobjdump's resource usage line of a cubin ("" when the tool is missing)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if tool is None:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(binary)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return next((line for line in out.splitlines() if "REG:" in line), "")
 
 
 def test_compiles_for_hopper() -> None:
-    """Both kernels build offline for sm_90 at m3.1 shapes (no GPU needed): G=4 and G=1, 1M-token rows."""
+    """Every spec of indexer_specs builds offline for sm_90a at m3.1 shapes (G=1 with each dequant path,
+    and G=4's prefill tile), without register spills; the MMA paths hold wgmma, "fp8" its packed shuffle and FP8 MMA."""
     from m3c.backends.triton_aot import compile_kernels
 
     mi = _kernels()
-    specs = mi.indexer_specs(4, 128, 128, 16, 8192) + mi.indexer_specs(1, 128, 128, 16, 8192, q="fp32")
-    built = compile_kernels(specs)
-    assert [k.name for k in built] == ["indexer_scores_kernel", "topk_blocks_kernel"] * 2
-    assert all(k.binary for k in built)
+    specs = {}
+    for deq in mi.DEQ_MODES:
+        specs |= {s.key(): s for s in mi.indexer_specs(1, 128, 128, 16, "bf16", 8, deq=deq)}
+    specs |= {s.key(): s for s in mi.indexer_specs(4, 128, 128, 16, "bf16", 2)[1:2]}  # G=4 prefill: 32 rows × 4
+    built = compile_kernels(list(specs.values()))
+    assert len(built) == 7 and all(k.binary for k in built)
+    for spec, k in zip(specs.values(), built):
+        res = _resources(k.binary)
+        assert res == "" or " LOCAL:0 " in res, (spec.constexprs, res)  # no spills
+        ptx = k.stages["ptx"]
+        if spec.family == "msa_indexer_scores" and (spec.constexprs["PREFILL"] or spec.constexprs["DEQ"]):
+            assert "wgmma.mma_async" in ptx, spec.constexprs
+        if spec.family == "msa_indexer_scores" and spec.constexprs["DEQ"] == 2:
+            assert "0x1C1C1C1C" in ptx and "e4m3" in ptx
+        if spec.family == "msa_indexer_scores" and spec.constexprs["DEQ"] == 1:
+            assert "mul.rn.bf16x2" in ptx
+
+
+# ---- GPU (H200): m3.1-small shapes (G=1, D=128, block 128, top-16) ----
+
+
+def _check_fp8(b: dict, bs: int, top_k: int, **kw) -> None:
+    """The "fp8" path on a GPU: FP8 MMA accumulates with fewer bits, so scores are close to (not equal to)
+    the reference on the quantized q; prints how often the selection equals the unquantized reference's."""
+    scores, sel = _run(b, bs, top_k, deq="fp8", **kw)
+    ref = _reference(b, bs, "fp8")
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(scores))
+    assert (scores[fin] - ref[fin]).abs().max().item() <= 1e-3 * ref[fin].abs().max().item()
+    assert torch.equal(sel, ops.select_blocks(scores, b["positions"], bs, top_k))
+    full = ops.select_blocks(_reference(b, bs), b["positions"], bs, top_k)
+    print(f"fp8: selection entries equal to the unquantized reference's: {(sel == full).float().mean().item():.4f}")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_m31_small_long_contexts(q_dtype: torch.dtype, rng: torch.Generator) -> None:
-    """m3.1-small shapes (G=1, D=128, block 128, top-16) at 32K and 1M tokens, with 1-4 speculative rows."""
+def test_m31_small_long_contexts(deq: str, q_dtype: torch.dtype, rng: torch.Generator) -> None:
+    """Decode at 32K and 1M tokens with 1-4 speculative rows, each dequant path."""
     bs = 128
-    b = _batch([32 * 1024 - 5, 1 << 20], [1, 4], bs, 128, 1, rng, exact=True, q_dtype=q_dtype, device="cuda")
+    for exact in (True, False):
+        lens, rows = ([32 * 1024 - 5, 1 << 20], [1, 4]) if exact else ([32 * 1024, (1 << 20) - 77], [4, 2])
+        b = _batch(lens, rows, bs, 128, 1, rng, exact=exact, q_dtype=q_dtype, device="cuda")
+        if deq == "fp8":
+            _check_fp8(b, bs, 16)
+        else:
+            _check(b, bs, 16, exact=exact, deq=deq)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [128 * 1024, 1 << 20])
+def test_m31_small_prefill_chunk(ctx: int, rng: torch.Generator) -> None:
+    """A 4K-row prefill chunk at the end of a 128K / 1M-token context, batched with a short request."""
+    bs = 128
+    b = _batch([ctx, 3000], [4096, 700], bs, 128, 1, rng, exact=True, q_dtype=torch.bfloat16, device="cuda")
     _check(b, bs, 16, exact=True)
-    b = _batch([32 * 1024, (1 << 20) - 77], [4, 2], bs, 128, 1, rng, exact=False, q_dtype=q_dtype, device="cuda")
+    b = _batch([ctx - 33, 5000], [4096, 3], bs, 128, 1, rng, exact=False, q_dtype=torch.bfloat16, device="cuda")
     _check(b, bs, 16, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8"])
+def test_offline_cubins_through_the_runtime(deq: str, rng: torch.Generator) -> None:
+    """indexer_specs compiled offline (this Triton, sm_90a) and launched by the runtime's CubinRunner, in
+    both phases, against the reference."""
+    from m3c.backends.triton_aot import compile_kernels
+    from m3c.runtime.cuda_launcher import CubinKernel, CubinRunner
+
+    mi = _kernels()
+    bs = 128
+    specs = mi.indexer_specs(1, 128, bs, 16, "bf16", 8, deq=deq)
+    runner = CubinRunner({k.key: CubinKernel(k.binary, k.name, k.shared_bytes, k.num_warps, k.arg_types)
+                          for k in compile_kernels(specs)})
+    for lens, rows in (([70000, 300], [1, 3]), ([20000, 900], [600, 2])):  # decode, then prefill
+        b = _batch(lens, rows, bs, 128, 1, rng, exact=True, q_dtype=torch.bfloat16, device="cuda")
+        if deq == "fp8" and rows[0] == 1:
+            _check_fp8(b, bs, 16, runner=runner)
+        else:
+            _check(b, bs, 16, exact=True, deq=deq, runner=runner)
+    assert runner.launches == 4

@@ -1,0 +1,192 @@
+"""Benchmark: the MSA indexer's decode dequant paths and its prefill tiling on one GPU (TP4 slice).
+
+m3.1-small layout: 1 index head, D = 128, block 128, top-16, NVFP4 index keys, bf16 index q.
+Decode: contexts 32K / 128K / 512K / 1M tokens × batch 1 and 8, 1 query row per request, each
+``deq`` path of :func:`m3c.backends.kernels.msa_indexer.msa_indexer` ("f32scale", "groupdot", "fp8").
+Prefill: a 4K-row chunk (the last 4,096 positions) at 128K and 1M tokens (always the "f32scale" tile).
+Each point reports the CUDA-graph replay time (µs, median), the floor (decode: 72 B/token of index keys
+at 4.28 TB/s; prefill: 2·T·ctx·D FLOPs at 750 TFLOP/s bf16) and its % of the floor, dense SDPA over a
+bf16 K/V of the same context (16 query heads, GQA) for scale, and selection agreement with the
+reference (``ops.select_blocks(ops.indexer_block_scores(...))`` on request 0; prefill on 64 sampled
+rows): the fraction of equal selected-block entries and of rows whose whole selection matches.
+Writes JSON to $OUT (or benchmarks/results) and prints a short table last.
+
+Usage (H200): PYTHONPATH=. python benchmarks/bench_msa_indexer_variants.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from m3c.backends.kernels.msa_indexer import DEQ_MODES, _topk_ch, _topk_spec, msa_indexer
+from m3c.backends.triton_aot import jit_run
+from m3c.model_defs import ops as mops
+
+READ_BW = 4.28e12
+BF16_FLOPS = 750e12
+H, D, BS, TOPK = 16, 128, 128, 16
+
+
+def bench_graph(fn) -> float:
+    """Median ms of fn replayed from a CUDA graph; NaN if capture fails (a launcher that is not graph-safe)."""
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    except Exception as e:  # recorded in the table
+        print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return float("nan")
+
+
+def make_cache(ctx: int, batch: int, gen: torch.Generator) -> dict:
+    """A shuffled paged NVFP4 index-key cache holding `batch` contexts of `ctx` tokens."""
+    nbps = ctx // BS
+    nb = nbps * batch
+    dev = "cuda"
+    kd = torch.randint(0, 256, (nb, BS, 1, D // 2), dtype=torch.uint8, device=dev, generator=gen)
+    ks = (torch.rand((nb, BS, 1, D // 16), device=dev, generator=gen) * 0.2 + 0.05).to(torch.float8_e4m3fn)
+    table = torch.randperm(nb, device=dev, generator=gen).view(batch, nbps).to(torch.int32)
+    return {"k_data": kd, "k_scale": ks, "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+            "block_table": table}
+
+
+def agreement(sel: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(fraction of equal entries, fraction of rows with an identical selection)."""
+    eq = sel == ref
+    return float(eq.float().mean()), float(eq.all(dim=-1).float().mean())
+
+
+def dense_sdpa_ms(rows: int, ctx: int, batch: int) -> float:
+    """torch SDPA over dense bf16 K/V (16 q heads, 1 KV head, GQA), no mask (flash kernel; a 4K chunk's own
+    causal triangle is <= 1.6% of its keys at 128K); NaN if the K/V would not fit."""
+    if batch * ctx * D * 2 * 2 > 40e9:
+        return float("nan")
+    k = torch.randn((batch, 1, ctx, D), device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn((batch, H, rows, D), device="cuda", dtype=torch.bfloat16)
+    ms = float(triton.testing.do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                                       warmup=5, rep=50, return_mode="median"))
+    return ms
+
+
+def time_topk(scores: torch.Tensor, pos: torch.Tensor, sel: torch.Tensor) -> float:
+    """Graph-replay ms of kernel 2 alone (the top-k over [T, 1, max_blocks] scores; the same in every path)."""
+    t, _, mb = scores.shape
+    spec = _topk_spec(1, BS, TOPK, _topk_ch(mb))
+    return bench_graph(lambda: jit_run(spec, (t,), (scores, pos, sel, mb)))
+
+
+def run_decode(ctx: int, batch: int, max_q_rows: int) -> list[dict]:
+    """All dequant paths at one (context, batch) point, 1 row per request (tiles sized for max_q_rows)."""
+    gen = torch.Generator(device="cuda").manual_seed(ctx + batch)
+    c = make_cache(ctx, batch, gen)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    pos = (c["seq_lens"] - 1).long()
+    iq = torch.randn((batch, 1, D), device="cuda", generator=gen).bfloat16()
+    mb = c["block_table"].shape[1]
+    ref_scores = mops.indexer_block_scores(iq[:1].float(), c["k_data"], c["k_scale"], "nvfp4", pos[:1], qsl[:2],
+                                           c["seq_lens"][:1], c["block_table"][:1], BS)
+    ref_sel = mops.select_blocks(ref_scores, pos[:1], BS, TOPK)
+    floor_ms = batch * ctx * (D // 2 + D // 16) / READ_BW * 1e3
+    sdpa = dense_sdpa_ms(1, ctx, batch)
+    rows = []
+    for deq in DEQ_MODES:
+        scores = torch.empty((batch, 1, mb), dtype=torch.float32, device="cuda")
+        sel = torch.empty((batch, 1, TOPK), dtype=torch.int64, device="cuda")
+
+        def fn(deq: str = deq, scores: torch.Tensor = scores, sel: torch.Tensor = sel) -> None:
+            msa_indexer(iq, c["k_data"], c["k_scale"], pos, qsl, c["seq_lens"], c["block_table"], BS, TOPK,
+                        max_q_rows=max_q_rows, deq=deq, scores_out=scores, selected_out=sel)
+
+        fn()
+        torch.cuda.synchronize()
+        ent, full = agreement(sel[:1], ref_sel)
+        ms = bench_graph(fn)
+        topk_ms = time_topk(scores, pos, sel)
+        row = {"phase": "decode", "context": ctx, "batch": batch, "deq": deq, "max_q_rows": max_q_rows,
+               "us": ms * 1e3, "topk_us": topk_ms * 1e3,
+               "floor_us": floor_ms * 1e3, "pct_of_floor": 100 * floor_ms / ms, "sdpa_dense_us": sdpa * 1e3,
+               "x_dense": sdpa / ms, "sel_entries_equal": ent, "sel_rows_equal": full,
+               "score_max_rel_diff": float(((scores[:1] - ref_scores).abs().nan_to_num(0)).max()
+                                           / ref_scores[torch.isfinite(ref_scores)].abs().max())}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def run_prefill(ctx: int, chunk: int = 4096) -> dict:
+    """A `chunk`-row prefill chunk at the end of one `ctx`-token context."""
+    gen = torch.Generator(device="cuda").manual_seed(ctx + chunk)
+    c = make_cache(ctx, 1, gen)
+    qsl = torch.tensor([0, chunk], dtype=torch.int32, device="cuda")
+    pos = torch.arange(ctx - chunk, ctx, device="cuda")
+    iq = torch.randn((chunk, 1, D), device="cuda", generator=gen).bfloat16()
+    mb = c["block_table"].shape[1]
+    scores = torch.empty((chunk, 1, mb), dtype=torch.float32, device="cuda")
+    sel = torch.empty((chunk, 1, TOPK), dtype=torch.int64, device="cuda")
+
+    def fn() -> None:
+        msa_indexer(iq, c["k_data"], c["k_scale"], pos, qsl, c["seq_lens"], c["block_table"], BS, TOPK,
+                    scores_out=scores, selected_out=sel)
+
+    fn()
+    torch.cuda.synchronize()
+    pick = torch.randperm(chunk, device="cuda", generator=gen)[:64].sort().values
+    sub = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    ref_scores = mops.indexer_block_scores(iq[pick].float(), c["k_data"], c["k_scale"], "nvfp4", pos[pick], sub,
+                                           c["seq_lens"], c["block_table"], BS)
+    ent, full = agreement(sel[pick], mops.select_blocks(ref_scores, pos[pick], BS, TOPK))
+    ms = bench_graph(fn)
+    topk_ms = time_topk(scores, pos, sel)
+    floor_ms = 2 * chunk * ctx * D / BF16_FLOPS * 1e3
+    sdpa = dense_sdpa_ms(chunk, ctx, 1)
+    row = {"phase": "prefill", "context": ctx, "batch": 1, "rows": chunk, "deq": "f32scale", "us": ms * 1e3,
+           "topk_us": topk_ms * 1e3,
+           "floor_us": floor_ms * 1e3, "pct_of_floor": 100 * floor_ms / ms, "tflops": 2 * chunk * ctx * D / ms / 1e9,
+           "sdpa_dense_us": sdpa * 1e3, "x_dense": sdpa / ms, "sel_entries_equal": ent, "sel_rows_equal": full}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    """All points; JSON and a short table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="32K and 1M decode at batch 1, prefill at 128K only")
+    ap.add_argument("--max-q-rows", type=int, default=1, help="decode row tile (1: plain decode; 8: spec. decoding)")
+    args = ap.parse_args()
+    ctxs = (32768, 1 << 20) if args.quick else (32768, 131072, 524288, 1 << 20)
+    batches = (1,) if args.quick else (1, 8)
+    rows: list[dict] = []
+    points = [("decode", c, b) for b in batches for c in ctxs]
+    points += [("prefill", c, 1) for c in ((131072,) if args.quick else (131072, 1 << 20))]
+    for phase, ctx, batch in points:
+        try:
+            rows += run_decode(ctx, batch, args.max_q_rows) if phase == "decode" else [run_prefill(ctx)]
+        except Exception as e:  # record and go on: the table shows it
+            rows.append({"phase": phase, "context": ctx, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "msa_indexer_variants.json").write_text(json.dumps(
+        {"bench": "msa_indexer_variants", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+         "triton": triton.__version__, "rows": rows}, indent=2))
+    print(f"\n{'phase':>7} {'ctx':>8} {'B':>2} {'deq':>9} {'us':>9} {'topk':>7} {'floor':>8} {'%floor':>7} "
+          f"{'xdense':>7} {'sel==':>6} {'rows==':>6}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['phase']:>7} {r['context']:>8} {r['batch']:>2} {r['error']}")
+            continue
+        print(f"{r['phase']:>7} {r['context']:>8} {r['batch']:>2} {r['deq']:>9} {r['us']:>9.1f} {r['topk_us']:>7.1f} "
+              f"{r['floor_us']:>8.1f} "
+              f"{r['pct_of_floor']:>6.1f}% {r['x_dense']:>7.2f} {r['sel_entries_equal']:>6.3f} "
+              f"{r['sel_rows_equal']:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
