@@ -1,0 +1,118 @@
+"""MegaMoE host dispatcher: routing on the device, then one fused expert launch (decode) or the prefill path.
+
+Semantics: ``megamoe(x, ...)`` equals ``m3c.model_defs.layers.MoE.forward(x)`` for a block whose routed
+experts are NVFP4 and whose shared expert (if any) is MXFP8 or bf16: sigmoid router + correction bias,
+stable top-k, normalized × scaled weights, SwiGLU experts, weighted combine, + shared expert.
+
+Design: for T <= 64 tokens the router GEMV (float32, cuBLAS) + ONE routing launch
+(:func:`m3c.backends.kernels.moe_routing.fused_route`: top-k, weights and expert segments) + the single
+persistent :func:`m3c.backends.kernels.moe_decode.moe_decode` launch (routed FC1 → SiLU·mul → FC2 with the
+shared expert as extra work items and a deterministic combine); ``exact_routing=True`` uses the torch
+routing instead (bitwise ``MoE.route``, ~25 small launches). For T > 64: torch routing and the kernels of
+``m3c.backends.kernels.moe_prefill`` (imported lazily; a separate module). No host synchronization:
+the whole call is CUDA-graph capturable for a fixed T. Byte floor: see moe_decode's docstring (every
+touched expert's NVFP4 weights once: 29.7 µs for 8 experts of 6144×1536 at 4.28 TB/s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from m3c.backends.kernels.moe_decode import (
+    MAX_DECODE_TOKENS,
+    DecodeWorkspace,
+    decode_specs,
+    moe_decode,
+    shared_format,
+)
+from m3c.backends.kernels.moe_routing import expert_segments, fused_route, gate_weight, moe_route, route_specs
+from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
+from m3c.errors import ShapeError
+from m3c.model_defs import quant
+
+
+def megamoe_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
+                      w13_fmt: str, shared_fmt: str | None) -> str | None:
+    """None if the MegaMoE kernels take this layout, else the reason (the lowering then keeps the reference).
+
+    ``shared_fmt``: "mxfp8", "bf16", or "none" / None for a block without a shared expert.
+    """
+    shared_fmt = shared_fmt or "none"
+    if w13_fmt != "nvfp4":
+        return f"routed experts are stored {w13_fmt}; the MegaMoE kernels take NVFP4 experts only"
+    if act_dtype not in ("bf16", "fp32"):
+        return f"activations are {act_dtype}; the MegaMoE kernels take bf16 or fp32 activations"
+    if shared_fmt not in ("mxfp8", "bf16", "none"):
+        return f"the shared expert is stored {shared_fmt}; the kernels take MXFP8, bf16 or no shared expert"
+    if hidden % 64 or inter % 64 or (shared_fmt != "none" and (shared_inter % 64 or shared_inter <= 0)):
+        return f"hidden={hidden}, inter={inter}, shared inter={shared_inter} must be multiples of 64"
+    if not 1 <= top_k <= experts:
+        return f"top_k={top_k} must be in [1, {experts}]"
+    try:
+        from m3c.backends.kernels.moe_prefill import moe_prefill_supported
+    except ImportError:  # decode alone still runs T <= 64
+        return None
+    why = moe_prefill_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt))
+    return None if why is None else f"prefill path: {why}"
+
+
+def _prefill_fmt(shared_fmt: str) -> str | None:
+    """moe_prefill names "no shared expert" None."""
+    return None if shared_fmt == "none" else shared_fmt
+
+
+def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
+                  w13_fmt: str, shared_fmt: str | None) -> list[KernelSpec]:
+    """Every KernelSpec :func:`megamoe` can launch for this layout (GPU settings): the decode routing
+    (3 token buckets × norm_topk_prob), the decode kernel (3 token buckets) and the prefill kernels."""
+    shared_fmt = shared_fmt or "none"
+    why = megamoe_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt)
+    if why is not None:
+        raise ShapeError(f"MegaMoE does not support this layout: {why}")
+    specs = route_specs(experts, top_k) + decode_specs(hidden, inter, experts, top_k, shared_inter, act_dtype,
+                                                       shared_fmt)
+    try:
+        from m3c.backends.kernels.moe_prefill import moe_prefill_specs
+    except ImportError:  # the prefill kernels live in their own module; without it only decode is lowered
+        return specs
+    return specs + list(moe_prefill_specs(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt,
+                                          _prefill_fmt(shared_fmt)))
+
+
+def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, w13: quant.NVFP4Tensor,
+            w2: quant.NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, top_k: int, routed_scaling_factor: float,
+            norm_topk_prob: bool, runner: Runner = jit_run, out: torch.Tensor | None = None,
+            workspace: DecodeWorkspace | None = None, exact_routing: bool = False) -> torch.Tensor:
+    """MoE output [T, H] in x's dtype (bf16 / float32): device routing, then decode (T <= 64) or prefill.
+
+    ``gate_w`` bf16 [E, H] (or MXFP8Tensor), ``bias`` float32 [E]; ``w13`` NVFP4 [E, 2I, H] (gate rows then
+    up), ``w2`` NVFP4 [E, H, I]; shared weights MXFP8Tensor / bf16 ([2S, H], [H, S]) or both None.
+    ``workspace`` (decode only) may be reused across calls with the same T. Decode routes with
+    :func:`fused_route` (router GEMV + one launch; pass ``gate_w`` in float32 to skip a conversion);
+    ``exact_routing`` (and every prefill batch) uses the torch routing, bitwise ``MoE.route``.
+    """
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ShapeError(f"x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
+    t = x.shape[0]
+    if t == 0:
+        return out if out is not None else x.new_empty((0, x.shape[1]))
+    shared_format(shared_w13)  # raises on an unsupported shared format
+    if t <= MAX_DECODE_TOKENS and not exact_routing:
+        logits = F.linear(x.to(torch.float32), gate_weight(gate_w, torch.float32))
+        _, weights, seg = fused_route(logits, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
+                                      norm_topk_prob=norm_topk_prob, runner=runner)
+        return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
+                          workspace=workspace)
+    ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
+                             norm_topk_prob=norm_topk_prob)
+    weights = weights.to(torch.float32)
+    if t <= MAX_DECODE_TOKENS:
+        seg = expert_segments(ids, w13.data.shape[0])
+        return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
+                          workspace=workspace)
+    from m3c.backends.kernels.moe_prefill import moe_prefill
+
+    return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
