@@ -1,7 +1,8 @@
 """Lowering for Hopper (sm_90a): fused ops with a kernel family get offline-compiled cubins; the rest runs
 through its torch reference on the GPU (listed in the launch plan's ``reference_ops``).
 
-Each kernel is stored as its cubin and its PTX. Kernels are compiled per distinct layer shape (identical layers share one binary) in two tile
+The fused MSA and MegaMoE ops lower through :mod:`m3c.backends.hopper_families` (their plan entries
+list the spec keys their host launchers may launch). Each kernel is stored as its cubin and its PTX. Kernels are compiled per distinct layer shape (identical layers share one binary) in two tile
 sets: ``decode`` (≤ 64 tokens, split-K so every SM streams weights) and ``prefill``. Prepacked
 weights (dequantized to the activation dtype, RoPE rows paired) are added to the Program's weights
 as ``<param>.qkv_packed``.
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+from m3c.backends.hopper_families import FAMILIES
 from m3c.backends.kernels.qkv_fused_launch import QKVShape, fused_spec, prepack_weight
 from m3c.backends.options import CompileOptions
 from m3c.backends.program import Program, flatten_weights
@@ -63,6 +65,17 @@ def lower_hopper(graph: Graph, options: CompileOptions, weights: Mapping[str, An
             get_op(node.op)
         except UnknownOpError as e:
             raise CompileError(f"cannot lower node {node!r} for hopper: {e}") from None
+        if node.op in FAMILIES:
+            why, family_specs = FAMILIES[node.op](node)
+            if why:
+                reference_ops[node.op] = reference_ops.get(node.op, 0) + 1
+                plan.append({"op": node.op, "output": node.outputs[0].name, "kernel": None, "why": why})
+                continue
+            for spec in family_specs:
+                specs.setdefault(spec.key(), (spec, ()))
+            plan.append({"op": node.op, "output": node.outputs[0].name,
+                         "specs": sorted({s.key() for s in family_specs})})
+            continue
         if node.op != "qkv_norm_rope_kvinsert":
             reference_ops[node.op] = reference_ops.get(node.op, 0) + 1
             continue

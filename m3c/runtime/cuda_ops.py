@@ -6,6 +6,7 @@ JIT runs at load. Ops without an entry here run their torch reference on the GPU
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,18 +16,18 @@ from m3c.backends.kernels.qkv_fused_launch import fused_launch, make_outputs
 from m3c.backends.program import Program
 from m3c.ir.graph import Node
 from m3c.ir.interpreter import OpImpl
-from m3c.runtime.cuda_launcher import CubinKernel
+from m3c.runtime.cuda_launcher import CubinKernel, CubinRunner
 
 
 class QKVLauncher:
     """Runs qkv_norm_rope_kvinsert nodes with the program's cubins (decode or prefill tiles by token count)."""
 
-    def __init__(self, program: Program, device: torch.device) -> None:
-        self.kernels = {key: CubinKernel(k.binary, k.name, k.shared_bytes, k.num_warps, k.arg_types)
-                        for key, k in compiled_kernels(program).items()}
+    def __init__(self, program: Program, device: torch.device, kernels: dict[str, CubinKernel]) -> None:
+        self.kernels = kernels
         metas = next((e["kernel_meta"] for e in program.launch_plan if "kernel_meta" in e), {})
         self.tiles = {key: m["tiles"] for key, m in metas.items()}
-        self.entries = {e["output"]: e for e in program.launch_plan if e.get("kernels")}
+        self.entries = {e["output"]: e for e in program.launch_plan
+                        if e.get("kernels") and e.get("op") == "qkv_norm_rope_kvinsert"}
         self.packed = {e["weight"]: program.weights[e["weight"]].to(device) for e in self.entries.values()}
         self.launches = 0
 
@@ -53,6 +54,50 @@ class QKVLauncher:
         return (q, iq) if shape.num_index_heads else (q,)
 
 
+class FamilyLauncher:
+    """Runs the nodes of one fused op whose plan entry lists kernel specs, through the program's cubins;
+    nodes the lowering left to the reference (an entry with a reason) run their torch reference."""
+
+    def __init__(self, program: Program, op: str, launch: Callable[..., Any], runner: CubinRunner) -> None:
+        self.op, self.launch, self.runner = op, launch, runner
+        self.entries = {e["output"]: e for e in program.launch_plan if e.get("op") == op and e.get("specs")}
+
+    def __call__(self, node: Node, args: list[Any], attrs: dict[str, Any]) -> Any:
+        """The node's outputs (a tuple, like the reference's)."""
+        if node.outputs[0].name not in self.entries:
+            from m3c.ir.registry import get_op
+
+            return get_op(node.op).reference(*args, **attrs)
+        return self.launch(args, attrs, self.runner)
+
+
+def launch_msa(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> torch.Tensor:
+    """msa_attention: the indexer (scores + top-k select) then the sparse attention, on nvfp4 caches."""
+    from m3c.backends.kernels.msa_attention import msa_sparse_attention
+    from m3c.backends.kernels.msa_indexer import msa_indexer
+
+    q, iq, ikc, _, kc, _, vc, _, pos, qsl, seq_lens, table = args
+    bs, top_k = attrs["block_size"], attrs["top_k"]
+    _, selected = msa_indexer(iq, ikc.data, ikc.scale, pos, qsl, seq_lens, table, bs, top_k, runner=runner)
+    return msa_sparse_attention(q, kc.data, kc.scale, vc.data, vc.scale, selected, pos, qsl, seq_lens, table, bs,
+                                attrs["scale"], runner=runner)
+
+
+def launch_moe(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> torch.Tensor:
+    """megamoe: routing, then the routed experts with the shared expert fused in."""
+    from m3c.backends.kernels.megamoe import megamoe
+
+    x, gate_w, bias, w13, w2, sw13, sw2 = (*args, None, None)[:7]
+    return megamoe(x, gate_w, bias, w13, w2, sw13, sw2, top_k=attrs["top_k"],
+                   routed_scaling_factor=attrs["routed_scaling_factor"], norm_topk_prob=attrs["norm_topk_prob"],
+                   runner=runner)
+
+
 def cuda_impls(program: Program, device: torch.device) -> dict[str, OpImpl]:
     """Op name -> implementation for the interpreter, for a Hopper program on a CUDA device."""
-    return {"qkv_norm_rope_kvinsert": QKVLauncher(program, device)}
+    kernels = {key: CubinKernel(k.binary, k.name, k.shared_bytes, k.num_warps, k.arg_types)
+               for key, k in compiled_kernels(program).items()}
+    runner = CubinRunner(kernels)
+    return {"qkv_norm_rope_kvinsert": QKVLauncher(program, device, kernels),
+            "msa_attention": FamilyLauncher(program, "msa_attention", launch_msa, runner),
+            "megamoe": FamilyLauncher(program, "megamoe", launch_moe, runner)}
