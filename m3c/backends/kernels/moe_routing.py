@@ -192,7 +192,11 @@ def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, pairs_ptr, slot_exper
 
 
 def route_specs(experts: int, top_k: int) -> list[KernelSpec]:
-    """KernelSpecs of :func:`fused_route` (token buckets 16, 32, 64 × norm_topk_prob), GPU settings."""
+    """KernelSpecs of :func:`fused_route` (token buckets 16, 32, 64 × norm_topk_prob), GPU settings.
+
+    The pair range TP × KP is padded to >= 128 (one element per thread of the 4 warps): with fewer
+    (e.g. 8 experts top-2 at 16 tokens: 32 pairs) the sort faulted on the H200 (Triton 3.6).
+    """
     return [_route_spec(experts, top_k, tp, norm, True) for tp in (16, 32, 64) for norm in (True, False)]
 
 
@@ -201,7 +205,7 @@ def _route_spec(experts: int, top_k: int, tp: int, norm: bool, native: bool) -> 
              "slot_expert_ptr": "*i32", "slot_start_ptr": "*i32", "slot_count_ptr": "*i32",
              "num_active_ptr": "*i32", "T": "i32", "A": "i32", "scale": "fp32"}
     consts = dict(E=experts, EP=triton.next_power_of_2(experts), TOPK=top_k,
-                  KP=max(2, triton.next_power_of_2(top_k)), TP=tp, NORM=norm, NATIVE=native)
+                  KP=max(2, triton.next_power_of_2(top_k), 128 // tp), TP=tp, NORM=norm, NATIVE=native)
     return KernelSpec("moe_route", moe_route_kernel, types, consts, num_warps=4, num_stages=1)
 
 

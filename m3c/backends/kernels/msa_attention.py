@@ -155,7 +155,7 @@ def msa_decode_kernel(
     BLOCK_H]; cnt: int32 [tiles], zero on entry and on exit (tile = t * KVH + g). Unused when SPLIT == 1."""
     D2: tl.constexpr = D // 2
     PER: tl.constexpr = (TOPK + SPLIT - 1) // SPLIT
-    NSUB: tl.constexpr = BS // BLOCK_N
+    NSUB: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N  # BLOCK_N > BS (tiny blocks): one padded sub-tile
     pid = tl.program_id(0)
     sp = pid % SPLIT
     tile = pid // SPLIT
@@ -192,7 +192,7 @@ def msa_decode_kernel(
         phys = tl.load(bt_ptr + r * bt_stride + tl.where(valid, b, 0)).to(tl.int64)  # entry 0 always exists
         kpos = first + rows
         last = tl.where(valid, tl.minimum(pos, seq_len - 1), -1)  # last visible key; -1: none
-        vis = (kpos >= 0) & (kpos <= last)
+        vis = (kpos >= 0) & (kpos <= last) & (rows < BS)
         tok = (phys * BS + (i % NSUB) * BLOCK_N + rows) * KVH + g
         k_lo, k_hi = _dequant_rows(kd_ptr, ks_ptr, tok, vis, BLOCK_N, D2)
         s = _dot(q_lo, tl.trans(k_lo), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), BF16_MMA, PREC)
@@ -262,7 +262,7 @@ def msa_prefill_kernel(
     D2: tl.constexpr = D // 2
     M: tl.constexpr = ROWS * HGP
     C: tl.constexpr = ROWS * TOPK_P2
-    NSUB: tl.constexpr = BS // BLOCK_N
+    NSUB: tl.constexpr = (BS + BLOCK_N - 1) // BLOCK_N  # BLOCK_N > BS (tiny blocks): one padded sub-tile
     pid = tl.program_id(0)
     g = tl.program_id(1)
 
@@ -332,7 +332,7 @@ def msa_prefill_kernel(
         sub = it % NSUB
         phys = tl.load(bt_ptr + rs * bt_stride + b).to(tl.int64)
         kpos = b.to(tl.int64) * BS + sub * BLOCK_N + rows
-        kv_ok = kpos <= last
+        kv_ok = (kpos <= last) & (rows < BS)
         tok = (phys * BS + sub * BLOCK_N + rows) * KVH + g
         k_lo, k_hi = _dequant_rows(kd_ptr, ks_ptr, tok, kv_ok, BLOCK_N, D2)
         s = _dot(q_lo, tl.trans(k_lo), tl.zeros([M, BLOCK_N], tl.float32), BF16_MMA, PREC)
@@ -418,7 +418,7 @@ def decode_spec(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_
     """The decode kernel's KernelSpec for a layout and split (gpu=False: the interpreter's float32 dots)."""
     hg = num_heads // num_kv_heads
     bf16 = q_dtype == "bf16"
-    block_n = min(block_n or (64 if bf16 else 32), block_size)
+    block_n = max(16, min(block_n or (64 if bf16 else 32), block_size))  # dots need K >= 16 (Triton 3.6)
     consts = dict(H=num_heads, KVH=num_kv_heads, HG=hg, BLOCK_H=max(16, triton.next_power_of_2(hg)), D=d,
                   BS=block_size, BLOCK_N=block_n, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), SPLIT=split,
                   BF16_MMA=bf16 and gpu, PREC="tf32x3" if gpu else "ieee")
@@ -456,7 +456,7 @@ def prefill_spec(num_heads: int, num_kv_heads: int, d: int, block_size: int, top
     if not 1 <= rows <= 16:
         raise ShapeError(f"rows={rows}: a prefill tile holds 1..16 query rows")
     consts = dict(H=num_heads, KVH=num_kv_heads, HG=hg, HGP=triton.next_power_of_2(hg), ROWS=rows, D=d,
-                  BS=block_size, BLOCK_N=min(block_n or d_bn, block_size), TOPK=top_k,
+                  BS=block_size, BLOCK_N=max(16, min(block_n or d_bn, block_size)), TOPK=top_k,
                   TOPK_P2=triton.next_power_of_2(top_k), RCH=256 if gpu else 4, BF16_MMA=bf16 and gpu,
                   PREC="tf32x3" if gpu else "ieee")
     types = _common_types(q_dtype) | {"qsl_ptr": "*i32", "seqlen_ptr": "*i32", "bt_ptr": "*i32",
@@ -659,8 +659,8 @@ def msa_sparse_attention_decode(
         return out
     kvh, top_k = k_data.shape[2], sel.shape[-1]
     split = max(1, min(split or pick_split(t * kvh, top_k, q.device), top_k))
-    if block_n is not None and (block_size % block_n or block_n & (block_n - 1)):
-        raise ShapeError(f"block_n={block_n} must be a power of two dividing block_size {block_size}")
+    if block_n is not None and ((block_size % block_n and block_n < block_size) or block_n & (block_n - 1)):
+        raise ShapeError(f"block_n={block_n} must be a power of two dividing block_size {block_size} (or above it)")
     spec = decode_spec(h, kvh, d, block_size, top_k, _q_name(q.dtype), split, gpu=not interpreting(),
                        block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     if req_of_token is None:

@@ -158,3 +158,12 @@ def test_routing_m31_small_graph_capture(rng: torch.Generator) -> None:
         assert torch.equal(gi, ids) and torch.equal(gw, w)
         for name in ("sorted_pairs", "slot_expert", "slot_start", "slot_count", "num_active"):
             assert torch.equal(getattr(gseg, name), getattr(seg, name)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 1), (64, 8)])
+def test_fused_routing_small_expert_counts_gpu(experts: int, top_k: int, rng: torch.Generator) -> None:
+    """The one-program routing kernel at few experts / pairs (tiny preset: 8 experts top-2) on the GPU."""
+    moe = random_moe(128, 64, experts, top_k, "mxfp8", cuda_generator(rng), device="cuda")
+    for t in (1, 3, 16, 17, 64):
+        _check_fused(moe, torch.randn(t, 128, generator=rng).to("cuda"))
