@@ -116,9 +116,7 @@ def run_point(ctx: int, batch: int, rows: int, reference: bool) -> dict:
     row["scores_ms"] = graph_ms(lambda: indexer(only("msa_indexer_scores")))
     row["topk_ms"] = graph_ms(lambda: indexer(only("msa_topk")))
     row["attention_ms"] = graph_ms(attention)
-    distinct = torch.stack([torch.unique(sel[r * rows:(r + 1) * rows].clamp(min=0)).numel() for r in range(batch)]
-                           if batch <= 64 else [torch.tensor(TOPK)])
-    sel_blocks = int(distinct.sum()) if batch <= 64 else batch * TOPK
+    sel_blocks = sum(torch.unique(sel[r * rows:(r + 1) * rows].clamp(min=0)).numel() for r in range(batch))
     floor_bytes = batch * ctx * NVFP4_ROW + sel_blocks * BS * 2 * KVH * NVFP4_ROW
     row["floor_ms"] = floor_bytes / READ_BW * 1e3
     row["msa_over_floor"] = row["msa_ms"] / row["floor_ms"]

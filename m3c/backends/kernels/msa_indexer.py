@@ -93,6 +93,10 @@ from m3c.errors import ShapeError
 
 DEQ_MODES = ("f32scale", "groupdot", "fp8")
 """Decode dequant paths (the ``DEQ`` constexpr is the index): see the module docstring."""
+DEFAULT_DEQ = "groupdot"
+"""The decode dequant path by default: exact like "f32scale" and faster on the H200 (106 vs 127 µs at 1M
+tokens, batch 1, benchmarks/RESULTS.md); "fp8" was faster still (89 µs) but its lossy query rounding
+changed 87.5% of the selected blocks at 32K, so it is not a default."""
 
 PREFILL_M = 128
 """Prefill M tile: ``max(1, PREFILL_M // G)`` query rows × G index heads per program."""
@@ -444,7 +448,7 @@ def _prefill_rows(g: int, prefill_m: int) -> int:
 
 
 def indexer_specs(g: int, d: int, block_size: int, top_k: int, q_dtype: str = "bf16", max_q_rows: int = 8, *,
-                  deq: str = "f32scale", prefill_m: int = PREFILL_M, upcast: bool = False) -> list[KernelSpec]:
+                  deq: str = DEFAULT_DEQ, prefill_m: int = PREFILL_M, upcast: bool = False) -> list[KernelSpec]:
     """Every KernelSpec :func:`msa_indexer` can launch for this layout (GPU settings unless ``upcast``):
     the decode and the prefill scores kernels, then the top-k kernel at each chunk width of TOPK_CH."""
     if q_dtype not in ("bf16", "fp32"):
@@ -515,7 +519,7 @@ def msa_indexer(
     runner: Runner = jit_run,
     scores_out: torch.Tensor | None = None,
     selected_out: torch.Tensor | None = None,
-    deq: str = "f32scale",
+    deq: str = DEFAULT_DEQ,
     prefill_m: int = PREFILL_M,
     chunk_blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
