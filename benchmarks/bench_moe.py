@@ -153,9 +153,9 @@ def run(t: int, moe, mm: MegaMoE, base: Baselines, compiled, gen: torch.Generato
         row["decode_launch_graph_ms"] = bench_graph(
             lambda: moe_decode(x, seg, w.float(), w13, w2, s13, s2, workspace=ws, out=o))
         ws2 = DecodeWorkspace.create(t, H, INTER, S, E, K, x.dtype, "cuda")
-        row["ours_exact_routing_graph_ms"] = bench_graph(lambda: megamoe(
+        row["ours_decode_kernel_graph_ms"] = bench_graph(lambda: megamoe(
             x, mm.gate_w32, mm.bias, w13, w2, s13, s2, top_k=K, routed_scaling_factor=cfg.routed_scaling_factor,
-            norm_topk_prob=cfg.norm_topk_prob, workspace=ws2, exact_routing=True))
+            norm_topk_prob=cfg.norm_topk_prob, workspace=ws2, decode_kernel=True))
     row["bf16_grouped_mm_ms"] = safe(lambda: bench(lambda: base.bf16(x, ids, w)), "bf16 grouped_mm")
     row["fp8_scaled_grouped_mm_ms"] = safe(lambda: bench(lambda: base.fp8(x, ids, w)), "fp8 scaled_grouped_mm")
     if t <= 4096:

@@ -40,8 +40,9 @@ class MegaMoE(nn.Module):
 
     def __init__(self, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, w13: quant.NVFP4Tensor,
                  w2: quant.NVFP4Tensor, shared_w13: Any = None, shared_w2: Any = None, *, top_k: int,
-                 routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True) -> None:
+                 routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True, decode_kernel: bool = False) -> None:
         super().__init__()
+        self.decode_kernel = decode_kernel  # see megamoe(): the grouped-GEMM path is faster at every T today
         if not isinstance(w13, quant.NVFP4Tensor) or not isinstance(w2, quant.NVFP4Tensor):
             raise ShapeError("MegaMoE takes NVFP4 routed experts (quant.NVFP4Tensor for w13 and w2)")
         e, n1, h = w13.data.shape[0], w13.data.shape[1], w13.data.shape[2] * 2
@@ -72,7 +73,7 @@ class MegaMoE(nn.Module):
         self._workspaces: dict[tuple[int, torch.dtype, torch.device], DecodeWorkspace] = {}
 
     @classmethod
-    def from_reference(cls, moe: MoE) -> MegaMoE:
+    def from_reference(cls, moe: MoE, decode_kernel: bool = False) -> MegaMoE:
         """From a reference ``m3c.model_defs.layers.MoE`` block (its buffers are shared, not copied)."""
         if moe.w13.fmt != "nvfp4":
             raise ShapeError(f"the reference block's experts are {moe.w13.fmt}; MegaMoE takes NVFP4 experts")
@@ -83,7 +84,8 @@ class MegaMoE(nn.Module):
         if moe.shared is not None:
             s13, s2 = _as_shared(moe.shared[0]), _as_shared(moe.shared[1])
         return cls(moe.gate.weight, moe.e_score_correction_bias, w13, w2, s13, s2, top_k=cfg.num_experts_per_tok,
-                   routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
+                   routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
+                   decode_kernel=decode_kernel)
 
     def weights(self) -> tuple[quant.NVFP4Tensor, quant.NVFP4Tensor, Any, Any]:
         """(w13, w2, shared_w13, shared_w2) as the kernels take them."""
@@ -124,7 +126,7 @@ class MegaMoE(nn.Module):
             return self._reference(x)
         t = x.shape[0]
         ws = None
-        if 1 <= t <= MAX_DECODE_TOKENS:
+        if self.decode_kernel and 1 <= t <= MAX_DECODE_TOKENS:
             key = (t, x.dtype, x.device)
             ws = self._workspaces.get(key)
             if ws is None:
@@ -134,7 +136,7 @@ class MegaMoE(nn.Module):
         w13, w2, s13, s2 = self.weights()
         return megamoe(x, self.gate_w32, self.bias, w13, w2, s13, s2, top_k=self.top_k,
                        routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob,
-                       workspace=ws)
+                       workspace=ws, decode_kernel=self.decode_kernel)
 
 
 def random_moe(hidden: int, inter: int, experts: int, top_k: int, shared: str, generator: torch.Generator,

@@ -28,14 +28,15 @@ def test_from_reference_matches_and_reuses_workspace(rng: torch.Generator) -> No
     """Decode through the door module: float32 within 1e-5, bf16 within 2% (vs the float32 reference);
     a second call reuses the cached workspace and gives the same bits."""
     moe = random_moe(128, 64, 8, 2, "mxfp8", rng)
-    mm = MegaMoE.from_reference(moe)
     x = torch.randn(5, 128, generator=rng)
-    out = mm(x)
-    assert _rel(out, moe(x)) < 1e-5
-    assert torch.equal(mm(x), out) and len(mm._workspaces) == 1
-    xb = x.bfloat16()
-    outb = mm(xb)
-    assert outb.dtype == torch.bfloat16 and _rel(outb, moe(xb.float())) < 2e-2
+    for decode_kernel in (False, True):  # default: the grouped-GEMM kernels; or the one-launch decode kernel
+        mm = MegaMoE.from_reference(moe, decode_kernel=decode_kernel)
+        out = mm(x)
+        assert _rel(out, moe(x)) < 1e-5
+        assert torch.equal(mm(x), out) and len(mm._workspaces) == int(decode_kernel)
+        xb = x.bfloat16()
+        outb = mm(xb)
+        assert outb.dtype == torch.bfloat16 and _rel(outb, moe(xb.float())) < 2e-2
 
 
 def test_prefill_path_through_dispatcher(rng: torch.Generator) -> None:

@@ -85,7 +85,8 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
 def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, w13: quant.NVFP4Tensor,
             w2: quant.NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, top_k: int, routed_scaling_factor: float,
             norm_topk_prob: bool, runner: Runner = jit_run, out: torch.Tensor | None = None,
-            workspace: DecodeWorkspace | None = None, exact_routing: bool = False) -> torch.Tensor:
+            workspace: DecodeWorkspace | None = None, exact_routing: bool = False,
+            decode_kernel: bool = False) -> torch.Tensor:
     """MoE output [T, H] in x's dtype (bf16 / float32): device routing, then decode (T <= 64) or prefill.
 
     ``gate_w`` bf16 [E, H] (or MXFP8Tensor), ``bias`` float32 [E]; ``w13`` NVFP4 [E, 2I, H] (gate rows then
@@ -93,6 +94,11 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     ``workspace`` (decode only) may be reused across calls with the same T. Decode routes with
     :func:`fused_route` (router GEMV + one launch; pass ``gate_w`` in float32 to skip a conversion);
     ``exact_routing`` (and every prefill batch) uses the torch routing, bitwise ``MoE.route``.
+
+    Which path: the grouped-GEMM (prefill) kernels run every T by default, because on the H200 they beat
+    the one-launch decode kernel at every T measured (m3.1-small, bf16: 230 vs 255 µs at T = 1, 855 vs
+    1,266 µs at 16, 1,044 vs 3,749 µs at 64; benchmarks/RESULTS.md). ``decode_kernel=True`` selects the
+    decode kernel for T <= 64 (kept for tuning: its in-register dequant is the bottleneck to remove).
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
@@ -100,7 +106,7 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     if t == 0:
         return out if out is not None else x.new_empty((0, x.shape[1]))
     shared_format(shared_w13)  # raises on an unsupported shared format
-    if t <= MAX_DECODE_TOKENS and not exact_routing:
+    if decode_kernel and t <= MAX_DECODE_TOKENS and not exact_routing:
         logits = F.linear(x.to(torch.float32), gate_weight(gate_w, torch.float32))
         _, weights, seg = fused_route(logits, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                                       norm_topk_prob=norm_topk_prob, runner=runner)
@@ -109,7 +115,7 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                              norm_topk_prob=norm_topk_prob)
     weights = weights.to(torch.float32)
-    if t <= MAX_DECODE_TOKENS:
+    if decode_kernel and t <= MAX_DECODE_TOKENS:
         seg = expert_segments(ids, w13.data.shape[0])
         return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                           workspace=workspace)

@@ -4,10 +4,13 @@ Semantics are those of :func:`m3c.model_defs.ops.sparse_attention` (the referenc
 attends, with an exact softmax, to the keys ``j <= position`` of the blocks its GQA group selected
 (request-relative ids, ``-1`` ignored, duplicates counted once); a head with no such key outputs zeros.
 
-Launch. :func:`msa_sparse_attention` picks a kernel from static facts only (shapes, never values):
-``T <= max_q_rows * R`` (T query rows, R requests: decode and speculative rows, at most ``max_q_rows`` a
-request on average) runs the decode kernel, anything larger (a batch that holds a prefill chunk) the
-prefill kernel for the whole batch. Every launch goes through ``runner(spec, grid, runtime_args)``
+Launch. :func:`msa_sparse_attention` picks a kernel from static facts only (shapes, never values). By
+default every batch runs the decode kernel (one program per row and group): on the H200 it beat the
+prefill kernel on 4K-row chunks with independent random selections (2.6 vs 4.8 ms at 128K, 2.6 vs 5.7 ms
+at 1M; benchmarks/RESULTS.md), where the prefill kernel's union of 8 rows' blocks does ~8x redundant
+work. With ``max_q_rows`` given, ``T <= max_q_rows * R`` (T query rows, R requests) runs the decode
+kernel and anything larger the prefill kernel for the whole batch (for chunks whose rows share
+blocks, not yet measured). Every launch goes through ``runner(spec, grid, runtime_args)``
 (:data:`m3c.backends.triton_aot.Runner`): Triton's JIT by default, or the runtime's offline-compiled
 cubins; :func:`attention_specs` lists every :class:`KernelSpec` the launcher can produce for a layout
 (constexprs are layout facts plus the decode split, bucketed to powers of two <= min(top_k, 16)).
@@ -597,14 +600,14 @@ def msa_sparse_attention(
     runner: Runner = jit_run,
     req_of_token: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    max_q_rows: int = 8,
+    max_q_rows: int | None = None,
 ) -> torch.Tensor:
     """Exact attention of q [T, H, D] (float32 / bf16) over each row's selected blocks: [T, H, D] in q's dtype.
 
     Caches are nvfp4 (``k_data``/``v_data`` uint8 [NB, BS, KVH, D/2], scales float8_e4m3fn [NB, BS, KVH,
     D/16]); ``selected`` is int [T, KVH, top_k] request-relative block ids (-1 ignored); batch metadata as
-    in :class:`m3c.model_defs.kv_cache.BatchMetadata`. ``T <= max_q_rows * R`` runs the decode kernel,
-    else the prefill kernel (``max_q_rows=0``: always prefill). ``req_of_token`` (decode only, from
+    in :class:`m3c.model_defs.kv_cache.BatchMetadata`. The decode kernel runs every batch unless
+    ``max_q_rows`` is given: then ``T <= max_q_rows * R`` runs it, else the prefill kernel (0: always prefill). ``req_of_token`` (decode only, from
     :func:`token_requests`) may be passed to share it across layers; ``out`` may be preallocated. Every
     launch goes through ``runner``; checks shapes only (no sync).
     """
@@ -615,7 +618,7 @@ def msa_sparse_attention(
         return out
     kvh, top_k, r = k_data.shape[2], sel.shape[-1], seq.shape[0]
     gpu, qn = not interpreting(), _q_name(q.dtype)
-    if t <= max_q_rows * r:
+    if max_q_rows is None or t <= max_q_rows * r:
         if req_of_token is None:
             req_of_token = token_requests(qsl, t)
         elif tuple(req_of_token.shape) != (t,):

@@ -29,7 +29,7 @@ def _run(moe, x, **kw):
     w13, w2, s13, s2 = _weights(moe)
     return megamoe(x, moe.gate.weight, moe.e_score_correction_bias, w13, w2, s13, s2,
                    top_k=cfg.num_experts_per_tok, routed_scaling_factor=cfg.routed_scaling_factor,
-                   norm_topk_prob=cfg.norm_topk_prob, **kw)
+                   norm_topk_prob=cfg.norm_topk_prob, **{"decode_kernel": True} | kw)
 
 
 def check_close(out: torch.Tensor, moe, x: torch.Tensor) -> None:
@@ -135,7 +135,7 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
         record = seen.append
         x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
         megamoe(x, gate, bias, w13, w2, s13, s2, top_k=k, routed_scaling_factor=2.5, norm_topk_prob=True,
-                runner=lambda sp, grid, args, record=record: record((sp, grid, args)))
+                decode_kernel=True, runner=lambda sp, grid, args, record=record: record((sp, grid, args)))
         assert [sp.family for sp, _, _ in seen] == ["moe_route", "megamoe_decode"], t
         for sp, _, args in seen:
             assert sp.key() in listed and len(args) == len(sp.arg_types), (t, sp.family)

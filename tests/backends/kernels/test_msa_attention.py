@@ -314,7 +314,7 @@ def test_launch_specs_are_in_attention_specs(q_dtype: torch.dtype, monkeypatch: 
     for t, r in ((1, 1), (2, 1), (4, 1), (8, 1), (9, 1), (8, 8), (32, 8), (64, 8), (100, 16), (33, 32), (256, 32), (257, 32),
                  (4096, 1), (1000, 3), (16384, 1), (300, 200)):
         b = _layout_batch(t, r, q_dtype)
-        k.msa_sparse_attention(**b, runner=lambda spec, grid, args: calls.append((spec, grid, args)))
+        k.msa_sparse_attention(**b, runner=lambda spec, grid, args: calls.append((spec, grid, args)), max_q_rows=8)
         (spec, grid, args), = calls[-1:]
         assert spec.key() in keys, (t, r, spec.family, spec.constexprs)
         assert len(args) == len(spec.arg_types)
@@ -327,6 +327,9 @@ def test_launch_specs_are_in_attention_specs(q_dtype: torch.dtype, monkeypatch: 
             assert t > 8 * r and grid[0] >= int(((qsl[1:] - qsl[:-1] + c["ROWS"] - 1) // c["ROWS"]).sum())
             seen[spec.family].add(c["ROWS"])
     assert seen["msa_attention_decode"] == {1, 2, 4, 8, 16} and seen["msa_attention_prefill"]
+    for t, r in ((4096, 1), (300, 200)):  # the default (measured faster on the H200): the decode kernel for all
+        k.msa_sparse_attention(**_layout_batch(t, r, q_dtype), runner=lambda spec, grid, args: calls.append(spec))
+        assert calls[-1].family == "msa_attention_decode" and calls[-1].key() in keys
 
 
 def test_aot_compiles_without_spills() -> None:
