@@ -78,29 +78,9 @@ import torch
 import triton
 import triton.language as tl
 
+from m3c.backends.kernels.fp_codes import e2m1_to_f32, e4m3_to_f32
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
-
-
-@triton.jit
-def _e2m1(c):
-    """E2M1 codes (int32, 0..15) -> float32 values, by building the float32 bits."""
-    e = (c >> 1) & 3
-    m = c & 1
-    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))  # e == 0: 0 or 0.5
-    mag = bits.to(tl.float32, bitcast=True)
-    return tl.where(c >= 8, -mag, mag)
-
-
-@triton.jit
-def _e4m3(s):
-    """E4M3 bytes (int32, 0..255) -> float32 values (subnormals, NaN 0x7F/0xFF), exactly."""
-    e = (s >> 3) & 15
-    m = s & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    mag = tl.where((s & 0x7F) == 0x7F, (s * 0 + 0x7FC00000).to(tl.float32, bitcast=True), mag)
-    return tl.where(s >= 128, -mag, mag)
 
 
 @triton.jit
@@ -109,9 +89,9 @@ def _dequant_rows(data_ptr, scale_ptr, tok, rmask, BLOCK_N: tl.constexpr, D2: tl
     j = tl.arange(0, D2)
     byte = tl.load(data_ptr + tok[:, None] * D2 + j[None, :], mask=rmask[:, None], other=0).to(tl.int32)
     sc = tl.load(scale_ptr + tok[:, None] * (D2 // 8) + tl.arange(0, D2 // 8)[None, :], mask=rmask[:, None], other=0)
-    s = _e4m3(sc.to(tl.int32))  # [BLOCK_N, D/16]: one contiguous load, decoded once, broadcast to its 8 bytes
+    s = e4m3_to_f32(sc.to(tl.int32))  # [BLOCK_N, D/16]: one contiguous load, decoded once, broadcast to its 8 bytes
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, D2 // 8, 8]), [BLOCK_N, D2])
-    return _e2m1(byte & 15) * s, _e2m1(byte >> 4) * s
+    return e2m1_to_f32(byte & 15) * s, e2m1_to_f32(byte >> 4) * s
 
 
 @triton.jit
