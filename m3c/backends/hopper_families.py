@@ -66,6 +66,14 @@ def moe_plan(node: Node) -> tuple[str | None, list[KernelSpec]]:
     shared_inter = _int(sw13, 0) // 2 if sw13 is not None and _int(sw13, 0) else 0
     if experts is None or two_inter is None or hidden is None:
         return "symbolic expert dims", []
+    a = node.attrs
+    if a.get("router_dtype", "f32") != "f32" or a.get("renorm_eps", 1e-20) != 1e-20:
+        return (f"router in {a.get('router_dtype')} with renorm eps {a.get('renorm_eps', 1e-20)}: the kernels "
+                "route in float32 with eps 1e-20 (as MoE.route does for bf16 / float32 models)"), []
+    sw2 = node.inputs[6] if len(node.inputs) > 6 else None
+    if w2.type.dtype != w13.type.dtype or (sw13 is None) != (sw2 is None) or \
+            (sw13 is not None and sw2 is not None and sw2.type.dtype != sw13.type.dtype):
+        return "w13/w2 (or the shared pair) are stored in different formats", []
     fmt = w13.type.dtype.value
     sfmt = sw13.type.dtype.value if sw13 is not None else None
     args = (hidden, two_inter // 2, experts, node.attrs["top_k"], shared_inter, act, fmt, sfmt)

@@ -2,9 +2,10 @@
 
 Semantics: ``MegaMoE(...)(x)`` equals ``m3c.model_defs.layers.MoE.forward(x)`` (up to float rounding of the
 activation dtype). On a GPU (or under Triton's interpreter) it runs the MegaMoE kernels through
-:func:`m3c.backends.kernels.megamoe.megamoe`: device routing, then one persistent decode launch for
-T <= 64 tokens or the prefill kernels; elsewhere (plain CPU) it runs the reference composition. A
-decode workspace is kept per token count, so repeated calls (and CUDA-graph replays) allocate nothing.
+:func:`m3c.backends.kernels.megamoe.megamoe`: device routing, then the grouped-GEMM expert kernels (the
+measured-faster path at every T; ``decode_kernel=True`` picks the one-launch decode kernel for T <= 64,
+with a workspace kept per token count); elsewhere (plain CPU) it runs the reference composition. The
+default path allocates its small per-call buffers from torch's caching allocator (CUDA-graph safe).
 :func:`random_moe` builds a random reference block for tests and benchmarks.
 """
 

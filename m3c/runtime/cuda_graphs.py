@@ -24,8 +24,11 @@ HOST_SYNC_OPS = frozenset({"indexer_block_scores", "select_blocks", "sparse_atte
 """Ops whose torch references synchronize with the host (when they run as references)."""
 
 
-def host_sync_ops(program: Any) -> list[str]:
-    """The ops of `program` that run their host-synchronizing torch reference (so capture cannot work)."""
+def host_sync_ops(program: Any) -> list[str] | None:
+    """The ops of `program` that run their host-synchronizing torch reference (so capture cannot work);
+    None when `program` is not an m3c Program (nothing is known: capture is tried)."""
+    if program is None or not hasattr(program, "graph"):
+        return None
     plan = getattr(program, "launch_plan", [])
     listed = next((e["reference_ops"] for e in plan if "reference_ops" in e), None)
     if listed is None:  # a cpu program: every op is a reference
@@ -36,8 +39,8 @@ def host_sync_ops(program: Any) -> list[str]:
 class GraphedStep:
     """`step` with the model-forward signature; decode steps (<= `max_rows` rows per request) replay CUDA graphs."""
 
-    def __init__(self, step: Callable[..., Any], program: Any = None, max_rows: int = 8) -> None:
-        self.step, self.max_rows = step, max_rows
+    def __init__(self, step: Callable[..., Any], program: Any = None, max_rows: int = 8, max_graphs: int = 8) -> None:
+        self.step, self.max_rows, self.max_graphs = step, max_rows, max_graphs
         blocking = host_sync_ops(program if program is not None else getattr(step, "program", None))
         self.eager_reason: str | None = (f"ops {blocking} run host-synchronizing torch references"
                                          if blocking else None)
@@ -59,13 +62,15 @@ class GraphedStep:
             entry = self._capture(inputs, kv_caches)
             if entry is None:
                 return self.step(*inputs, kv_caches)
+            if len(self.graphs) >= self.max_graphs:  # oldest first (a new cache or batch shape): free its pool
+                self.graphs.pop(next(iter(self.graphs)))
             self.graphs[key] = entry
         graph, static, out = entry
         for dst, src in zip(static, inputs):
             dst.copy_(src, non_blocking=True)
         graph.replay()
         self.replays += 1
-        return out.clone()
+        return tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
 
     def _capture(self, inputs: list[torch.Tensor], kv_caches: Sequence[Mapping[str, torch.Tensor]]
                  ) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor], Any] | None:

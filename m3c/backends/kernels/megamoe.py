@@ -1,17 +1,19 @@
-"""MegaMoE host dispatcher: routing on the device, then one fused expert launch (decode) or the prefill path.
+"""MegaMoE host dispatcher: routing on the device, then the routed experts with the shared expert fused in.
 
 Semantics: ``megamoe(x, ...)`` equals ``m3c.model_defs.layers.MoE.forward(x)`` for a block whose routed
 experts are NVFP4 and whose shared expert (if any) is MXFP8 or bf16: sigmoid router + correction bias,
 stable top-k, normalized × scaled weights, SwiGLU experts, weighted combine, + shared expert.
 
-Design: for T <= 64 tokens the router GEMV (float32, cuBLAS) + ONE routing launch
-(:func:`m3c.backends.kernels.moe_routing.fused_route`: top-k, weights and expert segments) + the single
-persistent :func:`m3c.backends.kernels.moe_decode.moe_decode` launch (routed FC1 → SiLU·mul → FC2 with the
-shared expert as extra work items and a deterministic combine); ``exact_routing=True`` uses the torch
-routing instead (bitwise ``MoE.route``, ~25 small launches). For T > 64: torch routing and the kernels of
-``m3c.backends.kernels.moe_prefill`` (imported lazily; a separate module). No host synchronization:
-the whole call is CUDA-graph capturable for a fixed T. Byte floor: see moe_decode's docstring (every
-touched expert's NVFP4 weights once: 29.7 µs for 8 experts of 6144×1536 at 4.28 TB/s).
+Dispatch (by measurement on the H200, benchmarks/RESULTS.md): the experts always run the grouped-GEMM
+kernels of :mod:`m3c.backends.kernels.moe_prefill` (NVFP4 decoded in the mainloop, the shared expert as
+extra tiles), which beat the one-launch decode kernel at every T from 2 to 64 and tied it at T = 1.
+Routing for T <= 64: the router GEMV (float32, cuBLAS) + ONE launch
+(:func:`m3c.backends.kernels.moe_routing.fused_route`, ~13 µs); above, or with ``exact_routing``, the
+torch routing (bitwise ``MoE.route``, ~25 small launches, ~80 µs at T = 1). ``decode_kernel=True`` runs
+the persistent one-launch :func:`m3c.backends.kernels.moe_decode.moe_decode` for T <= 64 instead (kept
+for tuning; the offline lowering does not compile it). No host synchronization: the whole call is
+CUDA-graph capturable for a fixed T. Byte floor: every touched expert's NVFP4 weights once (29.7 µs for
+8 experts of 6144×1536 at 4.28 TB/s).
 """
 
 from __future__ import annotations
@@ -21,13 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from m3c.backends.kernels.moe_decode import (
-    MAX_DECODE_TOKENS,
-    DecodeWorkspace,
-    decode_specs,
-    moe_decode,
-    shared_format,
-)
+from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, moe_decode, shared_format
+from m3c.backends.kernels.moe_prefill import moe_prefill, moe_prefill_specs, moe_prefill_supported
 from m3c.backends.kernels.moe_routing import expert_segments, fused_route, gate_weight, moe_route, route_specs
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
@@ -47,14 +44,10 @@ def megamoe_supported(hidden: int, inter: int, experts: int, top_k: int, shared_
         return f"activations are {act_dtype}; the MegaMoE kernels take bf16 or fp32 activations"
     if shared_fmt not in ("mxfp8", "bf16", "none"):
         return f"the shared expert is stored {shared_fmt}; the kernels take MXFP8, bf16 or no shared expert"
-    if hidden % 64 or inter % 64 or (shared_fmt != "none" and (shared_inter % 64 or shared_inter <= 0)):
-        return f"hidden={hidden}, inter={inter}, shared inter={shared_inter} must be multiples of 64"
+    if shared_fmt != "none" and shared_inter <= 0:
+        return f"shared inter={shared_inter} must be positive"
     if not 1 <= top_k <= experts:
         return f"top_k={top_k} must be in [1, {experts}]"
-    try:
-        from m3c.backends.kernels.moe_prefill import moe_prefill_supported
-    except ImportError:  # decode alone still runs T <= 64
-        return None
     why = moe_prefill_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt))
     return None if why is None else f"prefill path: {why}"
 
@@ -66,20 +59,15 @@ def _prefill_fmt(shared_fmt: str) -> str | None:
 
 def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
                   w13_fmt: str, shared_fmt: str | None) -> list[KernelSpec]:
-    """Every KernelSpec :func:`megamoe` can launch for this layout (GPU settings): the decode routing
-    (3 token buckets × norm_topk_prob), the decode kernel (3 token buckets) and the prefill kernels."""
+    """Every KernelSpec :func:`megamoe` launches for this layout by default (GPU settings): the routing
+    (3 token buckets × norm_topk_prob) and the grouped-GEMM kernels (``decode_kernel=True`` launches
+    :func:`m3c.backends.kernels.moe_decode.decode_specs` too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
     why = megamoe_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt)
     if why is not None:
         raise ShapeError(f"MegaMoE does not support this layout: {why}")
-    specs = route_specs(experts, top_k) + decode_specs(hidden, inter, experts, top_k, shared_inter, act_dtype,
-                                                       shared_fmt)
-    try:
-        from m3c.backends.kernels.moe_prefill import moe_prefill_specs
-    except ImportError:  # the prefill kernels live in their own module; without it only decode is lowered
-        return specs
-    return specs + list(moe_prefill_specs(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt,
-                                          _prefill_fmt(shared_fmt)))
+    return route_specs(experts, top_k) + list(moe_prefill_specs(hidden, inter, experts, top_k, shared_inter,
+                                                                 act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))
 
 
 def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, w13: quant.NVFP4Tensor,
@@ -106,12 +94,14 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     if t == 0:
         return out if out is not None else x.new_empty((0, x.shape[1]))
     shared_format(shared_w13)  # raises on an unsupported shared format
-    if decode_kernel and t <= MAX_DECODE_TOKENS and not exact_routing:
+    if t <= MAX_DECODE_TOKENS and not exact_routing:
         logits = F.linear(x.to(torch.float32), gate_weight(gate_w, torch.float32))
-        _, weights, seg = fused_route(logits, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
-                                      norm_topk_prob=norm_topk_prob, runner=runner)
-        return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
-                          workspace=workspace)
+        ids, weights, seg = fused_route(logits, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
+                                        norm_topk_prob=norm_topk_prob, runner=runner)
+        if decode_kernel:
+            return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
+                              workspace=workspace)
+        return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
     ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                              norm_topk_prob=norm_topk_prob)
     weights = weights.to(torch.float32)
@@ -119,6 +109,4 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
         seg = expert_segments(ids, w13.data.shape[0])
         return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                           workspace=workspace)
-    from m3c.backends.kernels.moe_prefill import moe_prefill
-
     return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)

@@ -36,7 +36,8 @@ every ticket in order, so each wait is already satisfied when reached.
 Constexprs depend only on layout facts (H, I, S, k, formats, activation dtype) and the token bucket
 MB ∈ {16, 32, 64}: :func:`decode_specs` lists every specialization the launcher can produce.
 
-Expected limits (not yet measured): Triton pipelines the packed weight bytes through cp.async
+Limits (estimated before measuring; on the H200 it took 236 µs at T = 1 vs the 30 µs floor and lost to
+the grouped-GEMM kernels at every T, so megamoe() no longer picks it by default — benchmarks/RESULTS.md): Triton pipelines the packed weight bytes through cp.async
 (num_stages - 1 K steps ahead, ~24 KB in flight per SM at 2 programs/SM). The in-register dequant
 costs ~4 integer + 1.5 float ops per weight (226 M weights at T = 1), i.e. ~40 µs of INT32 issue on
 132 SMs: at T = 1 the kernel is likely dequant-issue-bound rather than at the 30 µs byte floor. The

@@ -47,6 +47,7 @@ T >= 4096 is compute-bound; at T = 512 weight bytes (0.24 ms) and FLOPs (0.35 ms
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -409,10 +410,14 @@ def _weight_args(w: Any, fmt: str, shape: tuple[int, ...], who: str) -> tuple[to
     *lead, k = shape
     if fmt == "nvfp4":
         want = [((*lead, k // 2), torch.uint8, w.data), ((*lead, k // 16), torch.float8_e4m3fn, w.scale)]
-        if w.global_scale is None or tuple(w.global_scale.shape) != (*lead, 1):
-            raise ShapeError(f"{who}: NVFP4 routed weights need a float32 per-row global_scale of shape "
-                             f"{(*lead, 1)}, got {None if w.global_scale is None else tuple(w.global_scale.shape)}")
         g = w.global_scale
+        rows = math.prod(lead)
+        if g is None or g.numel() not in (1, lead[0], rows):
+            raise ShapeError(f"{who}: NVFP4 routed weights need a float32 global_scale per tensor, per expert or "
+                             f"per row ({(*lead, 1)}), got {None if g is None else tuple(g.shape)}")
+        if g.numel() != rows:  # per-tensor / per-expert (ModelOpt) scales: one value per row, on the device
+            g = g.to(torch.float32).reshape(-1, 1).expand(lead[0], rows // lead[0]).reshape(*lead, 1)
+        g = g.to(torch.float32).reshape(*lead, 1).contiguous()
     elif fmt == "mxfp8":
         want = [((*lead, k), torch.float8_e4m3fn, w.data), ((*lead, k // 32), torch.uint8, w.scale)]
         g = None

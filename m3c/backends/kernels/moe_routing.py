@@ -21,8 +21,8 @@ Design: :func:`moe_route` + :func:`expert_segments` are small torch launches (~2
 cumsum, ...), bitwise the reference's routing; :func:`fused_route` (the decode path, T <= 64) does the
 same after the router GEMV in ONE single-program Triton launch (sigmoid with an accurate exp and IEEE
 division, k rounds of a row max with ties to the smaller index, normalization, then a bitonic sort of
-(expert, pair) keys whose run boundaries give the segments), since ~25 launches would cost more than
-the whole expert step at T = 1. Neither synchronizes with the host (no ``.item()``, ``nonzero``,
+(expert, pair) keys whose run boundaries give the segments): measured in CUDA graphs on the H200,
+~13 µs against ~80 µs for the torch routing at T = 1. Neither synchronizes with the host (no ``.item()``, ``nonzero``,
 ``bincount`` or boolean indexing); shapes are fixed for a given T, so both are CUDA-graph capturable.
 Floor: the T·H activations and the E×H gate (1.5 MB float32 at E = 64, H = 6144: ~0.4 µs at
 4.28 TB/s); at decode sizes routing is launch- and latency-bound.

@@ -30,8 +30,7 @@ Common device design.
 - Dots: float32 ``ieee`` in the interpreter (its bf16 dots are wrong); on a GPU bf16 tensor-core dots
   for bf16 q (dequantized K/V have <= 6 significant bits, so they are exact in bf16; P is rounded to
   bf16), ``tf32x3`` for float32 q.
-- Tiles are not yet measured on a GPU; they come from offline sm_90a compiles with Triton 3.9 (cuobjdump:
-  no spills): decode bf16 q BLOCK_N=64, 4 warps, 3 stages (146-197 registers over the split buckets),
+- Tiles (not tuned on the GPU yet) come from offline sm_90a compiles with Triton 3.9 (cuobjdump: no spills): decode bf16 q BLOCK_N=64, 4 warps, 3 stages (146-197 registers over the split buckets),
   float32 q BLOCK_N=32, 8 warps (174-182); prefill see :func:`prefill_config`.
 
 Decode kernel (``msa_decode_kernel``): one program per (query row t, KV group g, split sp), split
@@ -54,9 +53,10 @@ ones (``-1``, out of range, wholly in the row's future) and duplicates (an all-p
 distinct entry is picked by a rank computed with a prefix sum: no loop-carried state). Per key the
 mask is per (row, head): the key's block is in that row's own selection and its position <= the
 row's position. Online softmax per (row, head), no split (a 4K chunk has 512 tiles per KV group).
-Cost: every tile pays for the union, so rows that agree on their blocks (the usual case in a chunk)
-cost one pass; rows that all disagree cost up to ROWS passes (never worse than the decode kernel's
-one pass per row, and each block's dequant is shared by M = 128 rows instead of 16).
+Cost: every tile pays for the union, so rows that agree on their blocks cost one pass; rows that all
+disagree cost up to ROWS passes of M = 128 rows. Measured on the H200 with independent random
+selections per row, that made it ~2x slower than the decode kernel's one pass per row (hence the
+default dispatch above); chunks whose rows share blocks were not measured.
 
 Floor of a 4K-row prefill chunk at 1M context (one TP4 slice: 16 heads, 1 KV head, D=128, top-16
 blocks of 128, bf16 q): FLOPs 4096 × 16 × 2048 keys × 128 × 4 = 68.7 GFLOP (~92 µs at 750 TFLOP/s

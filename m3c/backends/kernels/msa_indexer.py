@@ -25,12 +25,12 @@ without touching keys). Per step a program loads NBT whole blocks (>= 64 keys) t
 and odd columns (high nibbles) apart so no nibble interleave is needed. Decode dequant paths (the DEQ
 constexpr, ``deq=``; prefill always uses "f32scale"):
 
-- "f32scale" (default): a nibble's bits placed into a float32 (3 integer ops; E2M1 e = 0 lands on
+- "f32scale": a nibble's bits placed into a float32 (3 integer ops; E2M1 e = 0 lands on
   subnormals, so every code reads as value × 2^-126), times its scale decoded as scale × 2^119 (one
   multiply per key value, the [KEYS, D/16] scales broadcast over their 16 values), converted to bf16
   (exact: <= 6 significant bits) for two [M, KEYS] dots (q_even·k_lo + q_odd·k_hi), M = max(16,
   ROWS·G); the keys' 2^-7 is undone on the scores (a power of two). ~6–7 instructions per key value.
-- "groupdot": keys stay UNSCALED (E2M1 values, exact in bf16) and are the MMA's M dim (KEYS = 128:
+- "groupdot" (the default, DEFAULT_DEQ: fastest exact path measured): keys stay UNSCALED (E2M1 values, exact in bf16) and are the MMA's M dim (KEYS = 128:
   wgmma, A from registers); q is laid out block-diagonally, [D/2, (D/16)·M] (column h·M + m holds row
   m's q on group h's rows; M = max(ROWS·G, 16·16/D, 2)), so one dot pair yields every NVFP4 group's
   partial score [KEYS, (D/16)·M]; the group scales multiply those partials (KEYS·M·D/16 multiplies
@@ -455,6 +455,11 @@ def indexer_specs(g: int, d: int, block_size: int, top_k: int, q_dtype: str = "b
         raise ShapeError(f"q_dtype={q_dtype!r}: expected 'bf16' or 'fp32'")
     if deq not in DEQ_MODES:
         raise ShapeError(f"deq={deq!r}: expected one of {DEQ_MODES}")
+    if d < 32 or d & (d - 1):
+        raise ShapeError(f"index head dim {d} must be a power of two >= 32")
+    if block_size < 1 or block_size & (block_size - 1) or top_k < 1 or max_q_rows < 1 or g < 1:
+        raise ShapeError(f"block_size={block_size} must be a power of two; top_k={top_k}, max_q_rows={max_q_rows} "
+                         f"and index heads {g} must be >= 1")
     return [_scores_spec(g, d, block_size, q_dtype, max_q_rows, False, deq, upcast),
             _scores_spec(g, d, block_size, q_dtype, _prefill_rows(g, prefill_m), True, "f32scale", upcast),
             *(_topk_spec(g, block_size, top_k, ch) for ch in TOPK_CH)]
@@ -482,17 +487,22 @@ def _check(index_q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, p
         raise ShapeError(f"k_scale {tuple(k_scale.shape)}: expected float8_e4m3fn [NB, {block_size}, 1, {d // 16}]")
     if not (k_data.is_contiguous() and k_scale.is_contiguous()):
         raise ShapeError("k_data / k_scale must be contiguous (the kernel addresses blocks by their index)")
+    if seq_lens.dim() != 1:
+        raise ShapeError(f"seq_lens has shape {tuple(seq_lens.shape)}: expected [R] (one length per request)")
+    others = (k_data, k_scale, positions, query_start_loc, seq_lens, block_table)
+    if any(x.device != index_q.device for x in others):
+        raise ShapeError(f"every tensor must be on index_q's device {index_q.device}, got "
+                         f"{sorted({str(x.device) for x in others})}")
     r = seq_lens.shape[0]
     if block_table.dim() != 2 or block_table.shape[0] != r or tuple(query_start_loc.shape) != (r + 1,):
         raise ShapeError(f"block_table {tuple(block_table.shape)} / query_start_loc {tuple(query_start_loc.shape)} "
                          f"do not match {r} requests")
     if tuple(positions.shape) != (t,):
         raise ShapeError(f"positions has shape {tuple(positions.shape)}: expected ({t},)")
-    want = {"positions": (positions, torch.int64), "query_start_loc": (query_start_loc, torch.int32),
-            "seq_lens": (seq_lens, torch.int32), "block_table": (block_table, torch.int32)}
-    for name, (x, dt) in want.items():
-        if x.dtype != dt:
-            raise ShapeError(f"{name} has dtype {x.dtype}: expected {dt} (as BatchMetadata builds it)")
+    for name, x in (("positions", positions), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                    ("block_table", block_table)):
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise ShapeError(f"{name} has dtype {x.dtype}: expected an integer tensor (as BatchMetadata builds it)")
     if top_k < 1 or max_q_rows < 1:
         raise ShapeError(f"top_k={top_k} and max_q_rows={max_q_rows} must be >= 1")
 
@@ -536,6 +546,9 @@ def msa_indexer(
     """
     _check(index_q, k_data, k_scale, positions, query_start_loc, seq_lens, block_table, block_size, top_k,
            max_q_rows, deq)
+    positions = positions.to(torch.int64).contiguous()  # the specs' types; no-ops for BatchMetadata's tensors
+    query_start_loc, seq_lens, block_table = (x.to(torch.int32).contiguous()
+                                              for x in (query_start_loc, seq_lens, block_table))
     t, g, d = index_q.shape
     n_req, mb = block_table.shape
     dev = index_q.device

@@ -299,3 +299,18 @@ def test_cuda_graph_capture_gpu(rng: torch.Generator) -> None:
     ref = _reference(*[a.float() if i == 0 else a for i, a in enumerate(args)], "nvfp4", "mxfp8",
                      dtype=torch.float64)
     _check(out, ref, torch.bfloat16)
+
+
+def test_per_expert_and_per_tensor_global_scales(rng: torch.Generator) -> None:
+    """ModelOpt-style NVFP4 scales (one per expert, or one per tensor) give the per-row result."""
+    mp = _mp()
+    x, ids, wts, w13, w2, _, _ = _problem(5, 128, 32, 4, 2, 32, "nvfp4", None, rng)
+    for lead_shape in ((4, 1, 1), ()):  # per expert, per tensor
+        gs = torch.rand(lead_shape, generator=rng) + 0.5
+        rows13 = gs.reshape(-1, 1, 1).expand(4, 64, 1).contiguous()
+        rows2 = gs.reshape(-1, 1, 1).expand(4, 128, 1).contiguous()
+        coarse = [quant.NVFP4Tensor(w.data, w.scale, gs) for w in (w13, w2)]
+        per_row = [quant.NVFP4Tensor(w13.data, w13.scale, rows13), quant.NVFP4Tensor(w2.data, w2.scale, rows2)]
+        got = _run(mp, x, ids, wts, *coarse, None, None, torch.float32)
+        want = _run(mp, x, ids, wts, *per_row, None, None, torch.float32)
+        assert torch.equal(got, want)

@@ -339,6 +339,16 @@ def test_topk_special_values_and_many_chunks(top_k: int, rng: torch.Generator) -
     assert torch.equal(_select(scores, positions, bs, top_k, 16, causal=True), want)
 
 
+def test_other_integer_metadata_dtypes_give_the_same_selection(rng: torch.Generator) -> None:
+    """int32 positions / int64 lengths and tables (any integer metadata the IR allows) are converted, not refused."""
+    b = _batch([37, 20], [2, 1], 8, 64, 1, rng, exact=True)
+    mi = _kernels()
+    _, want = mi.msa_indexer(**b, block_size=8, top_k=2)
+    other = b | {"positions": b["positions"].int(), "query_start_loc": b["query_start_loc"].long(),
+                 "seq_lens": b["seq_lens"].long(), "block_table": b["block_table"].long()}
+    assert torch.equal(mi.msa_indexer(**other, block_size=8, top_k=2)[1], want)
+
+
 def test_rejects_bad_shapes(rng: torch.Generator) -> None:
     b = _batch([20], [1], 8, 64, 1, rng, exact=True)
     mi = _kernels()
@@ -349,7 +359,11 @@ def test_rejects_bad_shapes(rng: torch.Generator) -> None:
     with pytest.raises(ShapeError, match="top_k"):
         mi.msa_indexer_decode(**b, block_size=8, top_k=0)
     with pytest.raises(ShapeError, match="dtype"):
-        mi.msa_indexer(**(b | {"query_start_loc": b["query_start_loc"].long()}), block_size=8, top_k=2)
+        mi.msa_indexer(**(b | {"query_start_loc": b["query_start_loc"].float()}), block_size=8, top_k=2)
+    with pytest.raises(ShapeError, match="seq_lens"):
+        mi.msa_indexer(**(b | {"seq_lens": b["seq_lens"][0]}), block_size=8, top_k=2)
+    with pytest.raises(ShapeError, match="index head dim"):
+        mi.indexer_specs(1, 48, 8, 2)
     with pytest.raises(ShapeError, match="dtype"):
         mi.msa_indexer(**(b | {"index_q": b["index_q"].half()}), block_size=8, top_k=2)
     with pytest.raises(ShapeError, match="deq"):
