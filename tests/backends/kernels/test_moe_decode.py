@@ -124,7 +124,8 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(md, "interpreting", lambda: False)
     monkeypatch.setattr(moe_routing, "interpreting", lambda: False)
     h, inter, e, k, s = 6144, 1536, 64, 8, 1536
-    specs = megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")
+    specs = megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8") + md.decode_specs(
+        h, inter, e, k, s, "bf16", "mxfp8")
     listed = {sp.key() for sp in specs}
     w13, w2, s13, s2 = _meta_weights(e, h, inter, s)
     gate = torch.empty(e, h, device="meta")
@@ -147,11 +148,33 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
         assert b.binary and "ld.local" not in ptx and "st.local" not in ptx, b.name
 
 
+def test_default_path_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default dispatch (one routing launch for T <= 64, then the grouped GEMMs) launches only specs that
+    megamoe_specs lists, which is all the offline lowering compiles (meta tensors: no data, no sync)."""
+    from m3c.backends.kernels import moe_prefill, moe_routing
+
+    for mod in (md, moe_routing, moe_prefill):
+        monkeypatch.setattr(mod, "interpreting", lambda: False)
+    h, inter, e, k, s = 6144, 1536, 64, 8, 1536
+    listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")}
+    w13, w2, s13, s2 = _meta_weights(e, h, inter, s)
+    for t in (1, 16, 64, 65, 512):
+        seen: list = []
+        x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
+        megamoe(x, torch.empty(e, h, device="meta"), torch.empty(e, device="meta"), w13, w2, s13, s2, top_k=k,
+                routed_scaling_factor=2.5, norm_topk_prob=True,
+                runner=lambda sp, grid, args, seen=seen: seen.append(sp))
+        families = [sp.family for sp in seen]
+        assert "megamoe_decode" not in families and "moe_prefill_fc1" in families, (t, families)
+        assert ("moe_route" in families) == (t <= 64), (t, families)
+        assert all(sp.key() in listed for sp in seen), t
+
+
 def test_unsupported_layouts_and_bad_inputs(rng: torch.Generator) -> None:
     """megamoe_supported names the reason; the launcher rejects too many tokens and mismatched weights."""
     assert "NVFP4" in megamoe_supported(128, 64, 8, 2, 64, "bf16", "mxfp8", "mxfp8")
     assert "fp16" in megamoe_supported(128, 64, 8, 2, 64, "fp16", "nvfp4", "mxfp8")
-    assert "multiples of 64" in megamoe_supported(96, 64, 8, 2, 64, "bf16", "nvfp4", "none")
+    assert "multiples of 32" in megamoe_supported(100, 64, 8, 2, 64, "bf16", "nvfp4", "none")
     assert megamoe_supported(128, 64, 8, 2, 64, "fp32", "nvfp4", "bf16") is None
     moe = random_moe(128, 64, 8, 2, "mxfp8", rng)
     w13, w2, s13, s2 = _weights(moe)
