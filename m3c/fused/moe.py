@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m3c.backends.kernels.host import interpreting
 from m3c.backends.kernels.megamoe import megamoe, megamoe_supported
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, shared_format
 from m3c.backends.kernels.moe_routing import gate_weight
-from m3c.backends.kernels.qkv_fused_launch import interpreting
 from m3c.errors import ShapeError
 from m3c.model_defs import quant
 from m3c.model_defs.config import M3Config, QuantScheme

@@ -68,7 +68,9 @@ def test_kernels_equal_reference(rows: list[int], rng: torch.Generator) -> None:
     out.copy_(ker(**p))
     want = ref(**p)
     assert not out.isnan().any()
-    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    # float32, different summation orders; logits reach ~100 here, so exp() turns their ~1e-5 absolute
+    # rounding into ~1e-5 relative weight differences (2e-5 failed once in ~20 runs)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_inputs_get_named_errors(rng: torch.Generator) -> None:

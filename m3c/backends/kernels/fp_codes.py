@@ -5,7 +5,9 @@ on every GPU and in Triton's CPU interpreter (whose float8 conversions are not t
 
 - ``e2m1_to_f32``: NVFP4 element codes (0..15: sign, 2 exponent bits, 1 mantissa bit);
 - ``e4m3_to_f32``: E4M3 bytes (NVFP4 block scales, FP8 values; subnormals, NaN for 0x7F / 0xFF);
-- ``e8m0_to_f32``: E8M0 bytes (MXFP8 block scales: 2^(byte - 127); 0xFF is NaN).
+- ``e8m0_to_f32``: E8M0 bytes (MXFP8 block scales: 2^(byte - 127); 0xFF is NaN);
+- ``e2m1_tiny`` / ``e4m3_big``: the cheap pair the NVFP4 mainloops use — a nibble as value × 2^-126 in 3
+  integer ops, a scale as value × 2^119 — so value × scale = their product × 2^7, exactly.
 
 A packed NVFP4 byte holds element 2i in its low nibble and 2i+1 in its high nibble.
 """
@@ -44,3 +46,26 @@ def e8m0_to_f32(s):
     sub = tl.full(s.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True)  # 2^-127
     nan = tl.full(s.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     return tl.where(s == 255, nan, tl.where(s == 0, sub, normal))
+
+
+@triton.jit
+def e2m1_tiny(b, SHIFT: tl.constexpr):
+    """The E2M1 nibble at bit SHIFT (0 or 4) of bytes b (int32) as float32 × 2^-126, exactly, in 3 ops.
+
+    The code's bits (s, e1 e0, m) become the float's sign, lowest two exponent bits and top mantissa
+    bit, so e = 0 (0 and 0.5) lands on subnormals and every code gets the same factor 2^-126.
+    """
+    bits = ((b << (22 - SHIFT)) & 0x01C00000) | ((b << (28 - SHIFT)) & -2147483648)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_big(byte):
+    """E4M3 bytes (int32, 0..255) -> float32 × 2^119, exactly (NaN for 0x7F / 0xFF; 448 × 2^119 < 2^128)."""
+    e = (byte >> 3) & 15
+    m = byte & 7
+    normal = (((e + 239) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 1.2980742146337069e33, normal)  # subnormal: m × 2^-9 × 2^119
+    nan = tl.full(byte.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    mag = tl.where((byte & 0x7F) == 0x7F, nan, mag)
+    return tl.where(byte >= 128, -mag, mag)

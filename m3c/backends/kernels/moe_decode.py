@@ -47,7 +47,6 @@ the scale), ~2 ops per weight, via inline PTX with this float path kept for the 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e4m3_to_f32, e8m0_to_f32
+from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, e4m3_to_f32, e8m0_to_f32
+from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.kernels.moe_routing import ExpertSegments
-from m3c.backends.kernels.qkv_fused_launch import interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs import quant
@@ -71,36 +70,14 @@ SHARED_FMTS = {"none": 0, "mxfp8": 1, "bf16": 2}
 
 
 @triton.jit
-def _e2m1_tiny(b, SHIFT: tl.constexpr):
-    """The E2M1 nibble at bit SHIFT (0 / 4) of bytes b (int32) as float32 value·2^-126, exactly.
-
-    Sign → bit 31, (e1 e0 m) → bits 24..22 (the exponent's two low bits and the top mantissa bit):
-    e = 0 codes become subnormals, so every code carries the same factor 2^-126.
-    """
-    return (((b << (22 - SHIFT)) & 0x01C00000) | ((b << (28 - SHIFT)) & -2147483648)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_big(byte):
-    """E4M3 bytes (int32) as float32 scale·2^119, exactly (subnormals; NaN for 0x7F / 0xFF; 448·2^119 < 2^128)."""
-    e = (byte >> 3) & 15
-    m = byte & 7
-    normal = (((e + 239) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 1.2980742146337069e33, normal)  # subnormal: m·2^-9·2^119
-    nan = tl.full(byte.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    mag = tl.where((byte & 0x7F) == 0x7F, nan, mag)
-    return tl.where(byte >= 128, -mag, mag)
-
-
-@triton.jit
 def _nvfp4_tile(w_ptr, s_ptr, rows, k0, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """Rows `rows` [R] × K columns [k0, k0+BK) of an NVFP4 matrix as (even, odd) column halves [R, BK/2], value·2^-7."""
     kb = tl.arange(0, BK // 2)
     b = tl.load(w_ptr + rows[:, None] * (K // 2) + (k0 // 2 + kb)[None, :]).to(tl.int32)
     sb = tl.load(s_ptr + rows[:, None] * (K // 16) + (k0 // 16 + tl.arange(0, BK // 16))[None, :]).to(tl.int32)
-    sc = _e4m3_big(sb)[:, :, None]
-    lo = tl.reshape(tl.reshape(_e2m1_tiny(b, 0), [R, BK // 16, 8]) * sc, [R, BK // 2])
-    hi = tl.reshape(tl.reshape(_e2m1_tiny(b, 4), [R, BK // 16, 8]) * sc, [R, BK // 2])
+    sc = e4m3_big(sb)[:, :, None]
+    lo = tl.reshape(tl.reshape(e2m1_tiny(b, 0), [R, BK // 16, 8]) * sc, [R, BK // 2])
+    hi = tl.reshape(tl.reshape(e2m1_tiny(b, 4), [R, BK // 16, 8]) * sc, [R, BK // 2])
     if not F32:  # e2m1 × e4m3 has <= 6 significant bits: exact in bf16
         lo = lo.to(tl.bfloat16)
         hi = hi.to(tl.bfloat16)
@@ -451,13 +428,6 @@ def _shared_args(w: Any, fmt: str, x: torch.Tensor) -> tuple[torch.Tensor, torch
     return dummy, dummy
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2
-
-
 def moe_decode(x: torch.Tensor, seg: ExpertSegments, topk_weights: torch.Tensor, w13: quant.NVFP4Tensor,
                w2: quant.NVFP4Tensor, shared_w13: Any = None, shared_w2: Any = None, *, runner: Runner = jit_run,
                out: torch.Tensor | None = None, workspace: DecodeWorkspace | None = None,
@@ -507,7 +477,7 @@ def moe_decode(x: torch.Tensor, seg: ExpertSegments, topk_weights: torch.Tensor,
     sw1, sw1s = _shared_args(shared_w13, fmt, x)
     sw2, sw2s = _shared_args(shared_w2, fmt, x)
     n_items = (s // tiles.bn1 + h // tiles.bn2 if s else 0) + seg.max_active * (inter // tiles.bn1 + h // tiles.bn2)
-    grid = (max(1, min(programs or PROGRAMS_PER_SM * _num_sms(x.device), n_items)),)
+    grid = (max(1, min(programs or PROGRAMS_PER_SM * num_sms(x.device, cpu_default=2), n_items)),)
     args = [x.contiguous(), w13.data, w13.scale.view(torch.uint8), _row_scales(w13).contiguous(), w2.data,
             w2.scale.view(torch.uint8), _row_scales(w2).contiguous(), sw1, sw1s, sw2, sw2s,
             topk_weights.contiguous(), seg.sorted_pairs, seg.slot_expert, seg.slot_start, seg.slot_count,

@@ -55,9 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e8m0_to_f32
-from m3c.backends.kernels.msa_indexer import _e2m1_tiny, _e4m3_big
-from m3c.backends.kernels.qkv_fused_launch import interpreting
+from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, e8m0_to_f32
+from m3c.backends.kernels.host import interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -84,9 +83,9 @@ def _w_tile(d_ptr, s_ptr, rows, k0, K: tl.constexpr, FMT: tl.constexpr, BN: tl.c
     if FMT == 2:
         b = tl.load(d_ptr + rows[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BK // 2))[None, :]).to(tl.int32)
         sb = tl.load(s_ptr + rows[:, None] * (K // 16) + (k0 // 16 + tl.arange(0, BK // 16))[None, :])
-        sc = _e4m3_big(sb.to(tl.int32))[:, :, None]
-        lo = tl.reshape(tl.reshape(_e2m1_tiny(b, 0), [BN, BK // 16, 8]) * sc, [BN, BK // 2])
-        hi = tl.reshape(tl.reshape(_e2m1_tiny(b, 4), [BN, BK // 16, 8]) * sc, [BN, BK // 2])
+        sc = e4m3_big(sb.to(tl.int32))[:, :, None]
+        lo = tl.reshape(tl.reshape(e2m1_tiny(b, 0), [BN, BK // 16, 8]) * sc, [BN, BK // 2])
+        hi = tl.reshape(tl.reshape(e2m1_tiny(b, 4), [BN, BK // 16, 8]) * sc, [BN, BK // 2])
         w = tl.reshape(tl.join(lo, hi), [BN, BK])  # element 2i: low nibble, 2i + 1: high nibble
     elif FMT == 1:
         b = tl.load(d_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :]).to(tl.int32)

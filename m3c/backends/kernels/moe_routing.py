@@ -39,7 +39,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 import m3c.model_defs.ops  # noqa: F401  (registers torch.ops.m3c.topk / mxfp8_dequantize)
-from m3c.backends.kernels.qkv_fused_launch import interpreting
+from m3c.backends.kernels.host import interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs import quant

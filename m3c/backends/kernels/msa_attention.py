@@ -71,14 +71,12 @@ does 1/512 of its FLOPs, so ~150-250× faster is the expectation (goal: >= 8×).
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from m3c.backends.kernels.fp_codes import e2m1_to_f32, e4m3_to_f32
+from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
@@ -342,22 +340,10 @@ Q_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MAX_SPLIT = 16
 
 
-def interpreting() -> bool:
-    """Whether Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """int32 [T]: the request of each flattened token (on device, no sync; compute once per step)."""
     tokens = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=query_start_loc.device)
     return torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True, out_int32=True)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # H200
 
 
 def split_buckets(top_k: int) -> list[int]:
@@ -372,7 +358,7 @@ def pick_split(num_tiles: int, top_k: int, device: torch.device) -> int:
     """Splits per (row, group): the smallest bucket filling ~2 programs per SM (2 in the interpreter)."""
     if interpreting():
         return min(2, top_k)
-    target = 2 * _num_sms(device)
+    target = 2 * num_sms(device)
     buckets = split_buckets(top_k)
     for split in buckets:
         if num_tiles * split >= target:

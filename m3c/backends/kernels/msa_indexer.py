@@ -80,14 +80,14 @@ Contract: every token row belongs to a request (query_start_loc[-1] == T), posit
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.qkv_fused_launch import interpreting
+from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big
+from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
@@ -104,8 +104,8 @@ PREFILL_M = 128
 TOPK_CH = (1024, 8192)
 """Top-k chunk widths, bucketed over block-table widths (8,192 blocks = 1M tokens at block 128)."""
 
-_TWO_126 = tl.constexpr(8.507059173023462e37)  # 2^126: _e2m1_tiny × 2^126 = the E2M1 value
-_TWO_120 = tl.constexpr(1.329227995784916e36)  # 2^120: _e2m1_tiny × 2^120 = the E2M1 value × 2^-6 (its E4M3 bit shuffle)
+_TWO_126 = tl.constexpr(8.507059173023462e37)  # 2^126: e2m1_tiny × 2^126 = the E2M1 value
+_TWO_120 = tl.constexpr(1.329227995784916e36)  # 2^120: e2m1_tiny × 2^120 = the E2M1 value × 2^-6 (its E4M3 bit shuffle)
 # E2M1 nibbles -> E4M3 bytes worth value × 2^-6, four packed bytes per instance (low / high nibbles).
 _ASM_LO = tl.constexpr("{ .reg .b32 t; shl.b32 t, $1, 2; and.b32 t, t, 0x1C1C1C1C; "
            "shl.b32 $0, $1, 4; and.b32 $0, $0, 0x80808080; or.b32 $0, $0, t; }")
@@ -125,29 +125,6 @@ _ASM_BF16_HI = tl.constexpr(_ASM_BF16.replace("M1", "0x00700070").replace("S1", 
 
 
 @triton.jit
-def _e2m1_tiny(b, SHIFT: tl.constexpr):
-    """The E2M1 nibble at bit SHIFT (0 or 4) of bytes b (int32) as float32 × 2^-126, exactly, in 3 ops.
-
-    The code's bits (s, e1 e0, m) become the float's sign, lowest two exponent bits and top mantissa
-    bit, so e = 0 (0 and 0.5) lands on subnormals and every code gets the same factor 2^-126.
-    """
-    bits = ((b << (22 - SHIFT)) & 0x01C00000) | ((b << (28 - SHIFT)) & -2147483648)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e4m3_big(byte):
-    """E4M3 bytes (int32, 0..255) -> float32 × 2^119, exactly (NaN for 0x7F / 0xFF; 448 × 2^119 < 2^128)."""
-    e = (byte >> 3) & 15
-    m = byte & 7
-    normal = (((e + 239) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 1.2980742146337069e33, normal)  # subnormal: m × 2^-9 × 2^119
-    nan = tl.full(byte.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-    mag = tl.where((byte & 0x7F) == 0x7F, nan, mag)
-    return tl.where(byte >= 128, -mag, mag)
-
-
-@triton.jit
 def _e4m3_pow2(byte, BIAS: tl.constexpr):
     """E4M3 bytes (int32, 0..255) -> float32 value × 2^BIAS, exactly (NaN for 0x7F / 0xFF)."""
     e = (byte >> 3) & 15
@@ -163,7 +140,7 @@ def _e4m3_pow2(byte, BIAS: tl.constexpr):
 @triton.jit
 def _dequant_half(b, scale, SHIFT: tl.constexpr, KEYS: tl.constexpr, D: tl.constexpr):
     """Key values × 2^-7 (exact) of the nibbles at SHIFT of bytes b [KEYS, D/2]; scale [KEYS, D/16] × 2^119."""
-    v = tl.reshape(_e2m1_tiny(b, SHIFT), [KEYS, D // 16, 8])
+    v = tl.reshape(e2m1_tiny(b, SHIFT), [KEYS, D // 16, 8])
     return tl.reshape(v * scale[:, :, None], [KEYS, D // 2])
 
 
@@ -293,7 +270,7 @@ def indexer_scores_kernel(
                 sbyte = tl.load(ks_ptr + slot[:, None] * (D // 16) + sc_cols[None, :], mask=ok[:, None], other=0)
             if DEQ == 0:  # scale every key value in float32, then two [M, KEYS] dots
                 codes = codes.to(tl.int32)
-                scale = _e4m3_big(sbyte.to(tl.int32))
+                scale = e4m3_big(sbyte.to(tl.int32))
                 k_lo = _dequant_half(codes, scale, 0, KEYS, D)
                 k_hi = _dequant_half(codes, scale, 4, KEYS, D)
                 if q_even.dtype == tl.float32:
@@ -308,8 +285,8 @@ def indexer_scores_kernel(
                     scale = _e4m3_pow2(sbyte.to(tl.int32), 0)
                     if q_even.dtype == tl.float32:  # interpreter / float32 q: the E2M1 values in float32
                         ci = codes.to(tl.int32)
-                        k_lo = _e2m1_tiny(ci, 0) * _TWO_126
-                        k_hi = _e2m1_tiny(ci, 4) * _TWO_126
+                        k_lo = e2m1_tiny(ci, 0) * _TWO_126
+                        k_hi = e2m1_tiny(ci, 4) * _TWO_126
                     else:  # bf16 straight from the packed bytes (exact), ~2 instructions per value
                         k_lo = tl.inline_asm_elementwise(_ASM_BF16_LO, "=r,=r,r", [codes], dtype=tl.bfloat16,
                                                          is_pure=True, pack=4)
@@ -318,8 +295,8 @@ def indexer_scores_kernel(
                 else:
                     if UPCAST:  # the interpreter cannot run PTX: the same values (E2M1 × 2^-6) in float32
                         ci = codes.to(tl.int32)
-                        k_lo = _e2m1_tiny(ci, 0) * _TWO_120
-                        k_hi = _e2m1_tiny(ci, 4) * _TWO_120
+                        k_lo = e2m1_tiny(ci, 0) * _TWO_120
+                        k_hi = e2m1_tiny(ci, 4) * _TWO_120
                     else:  # E2M1 -> E4M3 bit shuffle, four packed keys per 2 integer ops
                         k_lo = tl.inline_asm_elementwise(_ASM_LO, "=r,r", [codes], dtype=tl.uint8, is_pure=True,
                                                          pack=4).to(tl.float8e4nv, bitcast=True)
@@ -390,13 +367,6 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, MB, G: tl.constexpr, BS: tl
     before = (cand[None, :] < cand[:, None]) | ((cand[None, :] == cand[:, None]) & (slot[None, :] < slot[:, None]))
     rank = tl.sum(before.to(tl.int32), axis=1)
     tl.store(out_ptr + pid.to(tl.int64) * K + rank, tl.where(cand == BIG, -1, cand), mask=rank < K)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # H200
 
 
 def pick_chunk_blocks(n_prog: int, max_blocks: int, nbt: int, num_sms: int) -> int:
@@ -576,7 +546,7 @@ def msa_indexer(
     else:
         spec = _scores_spec(g, d, block_size, q_name, max_q_rows, False, deq, interpreting())
         n_prog = n_req
-    chunk = chunk_blocks or pick_chunk_blocks(n_prog, mb, spec.constexprs["NBT"], _num_sms(dev))
+    chunk = chunk_blocks or pick_chunk_blocks(n_prog, mb, spec.constexprs["NBT"], num_sms(dev))
     runner(spec, (n_prog, triton.cdiv(mb, chunk)),
            (index_q, k_data, k_scale.view(torch.uint8), positions, query_start_loc, seq_lens, block_table, scores,
             index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, n_req, chunk))

@@ -6,13 +6,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 
+from m3c.backends.kernels.host import interpreting
 from m3c.backends.kernels.qkv_fused import (
     norm_rope_kvinsert_kernel,
     qkv_gemm_kernel,
@@ -64,11 +64,6 @@ class QKVShape:
         return dict(HQ=self.num_q_heads, HKV=self.num_kv_heads, G=self.num_index_heads,
                     HAS_INDEX=self.num_index_heads > 0, HEAD_DIM=self.head_dim, HALF=self.half, REST=self.rest,
                     BLOCK_M=block_m, BLOCK_K=block_k, UPCAST=interpreting())
-
-
-def interpreting() -> bool:
-    """Whether Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def prepack_weight(w: torch.Tensor, shape: QKVShape) -> torch.Tensor:
