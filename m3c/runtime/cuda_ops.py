@@ -79,8 +79,8 @@ def launch_msa(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> t
     q, iq, ikc, _, kc, _, vc, _, pos, qsl, seq_lens, table = args
     bs, top_k = attrs["block_size"], attrs["top_k"]
     _, selected = msa_indexer(iq, ikc.data, ikc.scale, pos, qsl, seq_lens, table, bs, top_k, runner=runner)
-    return msa_sparse_attention(q, kc.data, kc.scale, vc.data, vc.scale, selected, pos, qsl, seq_lens, table, bs,
-                                attrs["scale"], runner=runner)
+    return msa_sparse_attention(q.contiguous(), kc.data, kc.scale, vc.data, vc.scale, selected, pos, qsl, seq_lens,
+                                table, bs, attrs["scale"], runner=runner)
 
 
 def launch_moe(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> torch.Tensor:

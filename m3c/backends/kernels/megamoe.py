@@ -91,6 +91,10 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
     t = x.shape[0]
+    parts = [gate_w, bias, w13, w2, shared_w13, shared_w2]
+    devices = {str(getattr(p, "data", p).device) for p in parts if p is not None}
+    if devices - {str(x.device)}:
+        raise ShapeError(f"x is on {x.device} but the weights are on {sorted(devices)}: move them to one device")
     if t == 0:
         return out if out is not None else x.new_empty((0, x.shape[1]))
     shared_format(shared_w13)  # raises on an unsupported shared format

@@ -188,6 +188,9 @@ def test_unsupported_layouts_and_bad_inputs(rng: torch.Generator) -> None:
         md.moe_decode(x, expert_segments(ids, 8), w.float(), w13, w13, s13, s2)
     with pytest.raises(ShapeError, match="segments"):
         md.moe_decode(x, expert_segments(ids[:2], 8), w.float(), w13, w2, s13, s2)
+    with pytest.raises(ShapeError, match="one device"):
+        megamoe(x.to("meta"), moe.gate.weight, moe.e_score_correction_bias, w13, w2, s13, s2, top_k=2,
+                routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
 @pytest.mark.gpu
