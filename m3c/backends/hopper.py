@@ -2,9 +2,10 @@
 through its torch reference on the GPU (listed in the launch plan's ``reference_ops``).
 
 The fused MSA and MegaMoE ops lower through :mod:`m3c.backends.hopper_families` (their plan entries
-list the spec keys their host launchers may launch). Each kernel is stored as its cubin and its PTX. Kernels are compiled per distinct layer shape (identical layers share one binary) in two tile
-sets: ``decode`` (≤ 64 tokens, split-K so every SM streams weights) and ``prefill``. Prepacked
-weights (dequantized to the activation dtype, RoPE rows paired) are added to the Program's weights
+list the spec keys their host launchers may launch). Each kernel is stored as its cubin and its PTX.
+QKV kernels are compiled per distinct layer shape (identical layers share one binary) in the tile sets
+of ``qkv_fused_launch.PHASES`` (``decode`` ≤ 64 tokens with split-K so every SM streams weights,
+``mid`` ≤ 1024, ``prefill``). Prepacked weights (dequantized to the activation dtype, RoPE rows paired) are added to the Program's weights
 as ``<param>.qkv_packed``.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from m3c.backends.hopper_families import FAMILIES
-from m3c.backends.kernels.qkv_fused_launch import QKVShape, fused_spec, prepack_weight
+from m3c.backends.kernels.qkv_fused_launch import PHASES, QKVShape, fused_spec, prepack_weight
 from m3c.backends.options import CompileOptions
 from m3c.backends.program import Program, flatten_weights
 from m3c.backends.triton_aot import CompiledKernel, compile_kernels
@@ -26,10 +27,8 @@ from m3c.ir.registry import UnknownOpError, get_op
 from m3c.ir.types import DType
 from m3c.model_defs import quant
 
-DECODE_MAX_TOKENS = 64
-# From benchmarks/RESULTS.md run 2 (m3.1-small): BM 16 / split-K 4 was fastest at 16 and 64 tokens,
-# 128×64 tiles with 8 warps at 8192.
-TILES = {"decode": (16, 128, 4, 4, 4), "decode64": (16, 128, 4, 4, 4), "prefill": (128, 64, 8, 3, 1)}
+TILES = {phase: tiles for phase, (_, tiles) in PHASES.items()}
+"""QKV tiles compiled per phase (the one table: qkv_fused_launch.PHASES)."""
 _TRITON_DTYPE = {DType.bf16: "bf16", DType.f32: "fp32", DType.f16: "fp16"}
 
 

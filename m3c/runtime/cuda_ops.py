@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from m3c.backends.hopper import DECODE_MAX_TOKENS, compiled_kernels, qkv_shape
-from m3c.backends.kernels.qkv_fused_launch import fused_launch, make_outputs
+from m3c.backends.hopper import compiled_kernels, qkv_shape
+from m3c.backends.kernels.qkv_fused_launch import fused_launch, make_outputs, tile_phase
 from m3c.backends.program import Program
 from m3c.ir.graph import Node
 from m3c.ir.interpreter import OpImpl
@@ -41,8 +41,7 @@ class QKVLauncher:
         x, _, qn, kn, iqn, ikn, cos, sin, slots, kc, vc, ikc = args
         shape = qkv_shape(node)
         t = x.shape[0]
-        phase = "decode" if t <= 16 else "decode64" if t <= DECODE_MAX_TOKENS else "prefill"
-        key = entry["kernels"][phase]
+        key = entry["kernels"][tile_phase(t)]
         x = x.contiguous()
         q, iq = make_outputs(x, shape)
         norms = (qn, kn, iqn, ikn) if shape.num_index_heads else (qn, kn)

@@ -75,17 +75,30 @@ def prepack_weight(w: torch.Tensor, shape: QKVShape) -> torch.Tensor:
     return w.index_select(0, idx).contiguous()
 
 
+PHASES: dict[str, tuple[int | None, Tiles]] = {
+    "decode": (64, (16, 128, 4, 4, 4)),
+    "mid": (1024, (64, 64, 4, 4, 1)),
+    "prefill": (None, (128, 64, 8, 3, 1)),
+}
+"""The one tile table (BLOCK_M, BLOCK_K, warps, stages, split-K) by token count: phase -> (largest T, tiles).
+From benchmarks/RESULTS.md run 2 (m3.1-small, fastest measured): BM 16 with split-K 4 at 16 and 64 tokens,
+64×64 at 512, 128×64 with 8 warps at 8192. The lowering compiles every phase; launches pick by
+:func:`tile_phase`."""
+
+
+def tile_phase(num_tokens: int) -> str:
+    """The phase of :data:`PHASES` whose token range holds `num_tokens`."""
+    for name, (limit, _) in PHASES.items():
+        if limit is None or num_tokens <= limit:
+            return name
+    raise AssertionError("PHASES ends with an unbounded phase")
+
+
 def pick_tiles(num_tokens: int) -> Tiles:
-    """Tile choice by token count: split-K for decode so every SM streams weights, big tiles for prefill."""
+    """Tile choice by token count (:data:`PHASES`); small tiles in Triton's interpreter (CPU tests)."""
     if interpreting():
         return (16, 32, 4, 1, 2) if num_tokens <= 16 else (16, 32, 4, 1, 1)
-    if num_tokens <= 16:
-        return 16, 128, 4, 4, 8
-    if num_tokens <= 64:
-        return 64, 128, 4, 4, 8
-    if num_tokens <= 1024:
-        return 64, 64, 4, 4, 1
-    return 128, 64, 8, 3, 1
+    return PHASES[tile_phase(num_tokens)][1]
 
 
 _WORKSPACE: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
