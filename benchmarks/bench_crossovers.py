@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import torch
-import triton.testing
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _timing import bench_graph
 from bench_msa import BS, TOPK, D, make_batch
 
 from m3c.backends.kernels.megamoe import megamoe
@@ -30,11 +30,7 @@ from m3c.fused.moe import MegaMoE, random_moe
 
 def graph_us(fn) -> float:
     """Median µs of fn replayed from a CUDA graph (NaN, printed, if it fails)."""
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median") * 1e3
-    except Exception as e:  # recorded, not hidden
-        print("fail", type(e).__name__, str(e)[:150], flush=True)
-        return float("nan")
+    return bench_graph(fn, rep=40) * 1e3
 
 
 def moe_points(tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:

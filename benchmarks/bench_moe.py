@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from _timing import bench, bench_graph
 
 from m3c.backends.kernels.megamoe import megamoe
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, moe_decode
@@ -38,20 +38,6 @@ PEAK_FP8 = 1280e12
 H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
 NVFP4_B = 0.5625  # bytes per NVFP4 value (code + E4M3 scale per 16)
 MXFP8_B = 1.03125
-
-
-def bench(fn) -> float:
-    """Median ms over device-event timings (launch gaps included)."""
-    return float(triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
-
-
-def bench_graph(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph; NaN if capture fails (printed)."""
-    try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
-    except Exception as e:  # a launcher that is not graph-safe shows up here
-        print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return float("nan")
 
 
 def safe(fn, name: str) -> float:

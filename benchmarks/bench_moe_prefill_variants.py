@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from _timing import bench, bench_graph
 
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.model_defs import quant
@@ -45,20 +45,6 @@ VARIANTS = [  # Tiles(bm, bn1, bn2, bk, warps, stages); None = moe_prefill's own
     mp.Tiles(64, 128, 128, 64, 4, 3),
     mp.Tiles(128, 32, 128, 128, 4, 3),
 ]
-
-
-def bench(fn) -> float:
-    """Median ms over device-event timings (launch gaps included)."""
-    return float(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"))
-
-
-def bench_graph(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph; NaN if capture fails."""
-    try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
-    except Exception as e:  # a launcher that is not graph-safe shows up here
-        print(f"graph capture failed: {e}")
-        return float("nan")
 
 
 def nvfp4_stack(n: int, k: int, gen: torch.Generator) -> quant.NVFP4Tensor:

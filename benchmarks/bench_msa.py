@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from _timing import bench, bench_graph
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention
 from m3c.backends.kernels.msa_indexer import msa_indexer
@@ -40,16 +40,12 @@ NVFP4_ROW = D * 9 // 16  # 72 B per token and head: 64 B codes + 8 B scales
 
 def graph_ms(fn) -> float:
     """Median ms of fn replayed from a CUDA graph; NaN (printed) if capture fails."""
-    try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median"))
-    except Exception as e:  # a launcher that is not graph-safe shows up here
-        print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return float("nan")
+    return bench_graph(fn, rep=60)
 
 
 def eager_ms(fn) -> float:
     """Median ms with host launches (for baselines that cannot be captured)."""
-    return float(triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median"))
+    return bench(fn, warmup=3, rep=30)
 
 
 def only(family: str):

@@ -27,21 +27,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton.testing
+from _timing import bench_graph
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention, msa_sparse_attention_decode, token_requests
 from m3c.model_defs import ops as mops
 
 READ_BW, MMA_FLOPS = 4.28e12, 750e12
 H, KVH, D, BS, TOPK = 16, 1, 128, 128, 16
-
-
-def bench_graph(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph; NaN if capture fails."""
-    try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
-    except Exception as e:  # a launcher that is not graph-safe shows up here
-        print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return float("nan")
 
 
 def selections(ctx: int, rows: int, mode: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

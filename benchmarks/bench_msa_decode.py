@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from _timing import bench, bench_graph
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, token_requests
 from m3c.backends.kernels.msa_indexer import msa_indexer_decode
@@ -26,20 +26,6 @@ from m3c.model_defs import ops as mops
 
 READ_BW = 4.28e12
 H, KVH, D, BS, TOPK = 16, 1, 128, 128, 16
-
-
-def bench(fn) -> float:
-    """Median ms over device-event timings (launch gaps included)."""
-    return float(triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median"))
-
-
-def bench_graph(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph (kernel time without host launch work); NaN if capture fails."""
-    try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
-    except Exception as e:  # a launcher that is not graph-safe shows up here
-        print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return float("nan")
 
 
 def run(ctx: int, batch: int) -> dict:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton.testing
+from _timing import bench_graph
 
 from m3c.backends.kernels.msa_indexer import DEQ_MODES, _topk_ch, _topk_spec, msa_indexer
 from m3c.backends.triton_aot import jit_run
@@ -32,15 +33,6 @@ from m3c.model_defs import ops as mops
 READ_BW = 4.28e12
 BF16_FLOPS = 750e12
 H, D, BS, TOPK = 16, 128, 128, 16
-
-
-def bench_graph(fn) -> float:
-    """Median ms of fn replayed from a CUDA graph; NaN if capture fails (a launcher that is not graph-safe)."""
-    try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
-    except Exception as e:  # recorded in the table
-        print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        return float("nan")
 
 
 def make_cache(ctx: int, batch: int, gen: torch.Generator) -> dict:

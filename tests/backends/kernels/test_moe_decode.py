@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from moe_weights import meta_weights
 
 from m3c.backends.kernels import moe_decode as md
 from m3c.backends.kernels.megamoe import megamoe, megamoe_specs, megamoe_supported
 from m3c.backends.kernels.moe_routing import expert_segments, moe_route
 from m3c.errors import ShapeError
 from m3c.fused.moe import MegaMoE, random_moe
-from m3c.model_defs import quant
 
 
 def cuda_generator(rng: torch.Generator) -> torch.Generator:
@@ -99,21 +99,6 @@ def test_every_code_and_scale_byte(rng: torch.Generator) -> None:
     check_close(_run(moe, x), moe, x)
 
 
-def _meta_weights(e: int, h: int, inter: int, s: int):
-    m = "meta"
-    w13 = quant.NVFP4Tensor(torch.empty(e, 2 * inter, h // 2, dtype=torch.uint8, device=m),
-                            torch.empty(e, 2 * inter, h // 16, dtype=torch.float8_e4m3fn, device=m),
-                            torch.empty(e, 2 * inter, 1, device=m))
-    w2 = quant.NVFP4Tensor(torch.empty(e, h, inter // 2, dtype=torch.uint8, device=m),
-                           torch.empty(e, h, inter // 16, dtype=torch.float8_e4m3fn, device=m),
-                           torch.empty(e, h, 1, device=m))
-    s13 = quant.MXFP8Tensor(torch.empty(2 * s, h, dtype=torch.float8_e4m3fn, device=m),
-                            torch.empty(2 * s, h // 32, dtype=torch.uint8, device=m))
-    s2 = quant.MXFP8Tensor(torch.empty(h, s, dtype=torch.float8_e4m3fn, device=m),
-                           torch.empty(h, s // 32, dtype=torch.uint8, device=m))
-    return w13, w2, s13, s2
-
-
 def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     """At m3.1-small shapes (meta tensors: no data, no host sync possible) megamoe launches, for every
     T <= 64, one routing and one decode spec that megamoe_specs lists (argument counts match; one grid
@@ -127,7 +112,7 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
     specs = megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8") + md.decode_specs(
         h, inter, e, k, s, "bf16", "mxfp8")
     listed = {sp.key() for sp in specs}
-    w13, w2, s13, s2 = _meta_weights(e, h, inter, s)
+    w13, w2, s13, s2 = meta_weights(e, h, inter, s)
     gate = torch.empty(e, h, device="meta")
     bias = torch.empty(e, device="meta")
     used = set()
@@ -157,7 +142,7 @@ def test_default_path_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(mod, "interpreting", lambda: False)
     h, inter, e, k, s = 6144, 1536, 64, 8, 1536
     listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")}
-    w13, w2, s13, s2 = _meta_weights(e, h, inter, s)
+    w13, w2, s13, s2 = meta_weights(e, h, inter, s)
     for t in (1, 16, 64, 65, 512):
         seen: list = []
         x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")

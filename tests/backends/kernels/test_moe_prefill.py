@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from moe_weights import meta_weights
 
 from m3c.errors import ShapeError
 from m3c.model_defs import ops, quant  # noqa: F401  (ops registers torch.ops.m3c.*)
@@ -185,21 +186,6 @@ def test_rejects_bad_inputs(rng: torch.Generator) -> None:
     assert mp.moe_prefill_supported(6144, 1536, 64, 8, 1536, "fp16", "nvfp4", "mxfp8") is not None
 
 
-def _meta_weights(e: int, h: int, inter: int, s: int):
-    m = "meta"
-    w13 = quant.NVFP4Tensor(torch.empty(e, 2 * inter, h // 2, dtype=torch.uint8, device=m),
-                            torch.empty(e, 2 * inter, h // 16, dtype=torch.float8_e4m3fn, device=m),
-                            torch.empty(e, 2 * inter, 1, device=m))
-    w2 = quant.NVFP4Tensor(torch.empty(e, h, inter // 2, dtype=torch.uint8, device=m),
-                           torch.empty(e, h, inter // 16, dtype=torch.float8_e4m3fn, device=m),
-                           torch.empty(e, h, 1, device=m))
-    sh13 = quant.MXFP8Tensor(torch.empty(2 * s, h, dtype=torch.float8_e4m3fn, device=m),
-                             torch.empty(2 * s, h // 32, dtype=torch.uint8, device=m))
-    sh2 = quant.MXFP8Tensor(torch.empty(h, s, dtype=torch.float8_e4m3fn, device=m),
-                            torch.empty(h, s // 32, dtype=torch.uint8, device=m))
-    return w13, w2, sh13, sh2
-
-
 def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     """At m3.1-small shapes the launcher only uses specs that moe_prefill_specs lists (checked on the meta
     device: no data, no host sync possible), with fixed grids per T; the specs AOT-compile for sm_90a
@@ -212,7 +198,7 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
     h, inter, e, k, s = 6144, 1536, 64, 8, 1536
     specs = mp.moe_prefill_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")
     listed = {sp.key() for sp in specs}
-    w13, w2, sh13, sh2 = _meta_weights(e, h, inter, s)
+    w13, w2, sh13, sh2 = meta_weights(e, h, inter, s)
     for t in (1, 65, 512, 4096, 16384):
         seen: list = []
         x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
