@@ -573,9 +573,9 @@ def msa_sparse_attention(
     Caches are nvfp4 (``k_data``/``v_data`` uint8 [NB, BS, KVH, D/2], scales float8_e4m3fn [NB, BS, KVH,
     D/16]); ``selected`` is int [T, KVH, top_k] request-relative block ids (-1 ignored); batch metadata as
     in :class:`m3c.model_defs.kv_cache.BatchMetadata`. The decode kernel runs every batch unless
-    ``max_q_rows`` is given: then ``T <= max_q_rows * R`` runs it, else the prefill kernel (0: always prefill). ``req_of_token`` (decode only, from
-    :func:`token_requests`) may be passed to share it across layers; ``out`` may be preallocated. Every
-    launch goes through ``runner``; checks shapes only (no sync).
+    ``max_q_rows`` is given: then ``T <= max_q_rows * R`` runs it, else the prefill kernel (0: always
+    prefill). ``req_of_token`` (decode only, from :func:`token_requests`) may be passed to share it across
+    layers; ``out`` may be preallocated. Every launch goes through ``runner``; checks shapes only (no sync).
     """
     sel, pos, qsl, seq, table, out = _checked(q, k_data, k_scale, v_data, v_scale, selected, positions,
                                               query_start_loc, seq_lens, block_table, block_size, out)
