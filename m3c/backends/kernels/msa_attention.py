@@ -77,6 +77,7 @@ import triton.language as tl
 
 from m3c.backends.kernels.fp_codes import e2m1_to_f32, e4m3_to_f32
 from m3c.backends.kernels.host import interpreting, num_sms
+from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
@@ -248,22 +249,7 @@ def msa_prefill_kernel(
     g = tl.program_id(1)
 
     # Which request and rows: tiles are numbered request by request, ceil(rows_r / ROWS) each.
-    r = tl.zeros([], tl.int32) - 1
-    t0 = tl.zeros([], tl.int32)
-    t_end = tl.zeros([], tl.int32)
-    base = tl.zeros([], tl.int32)
-    for r0 in range(0, n_req, RCH):
-        i = r0 + tl.arange(0, RCH)
-        ok = i < n_req
-        lo = tl.load(qsl_ptr + i, mask=ok, other=0)
-        hi = tl.load(qsl_ptr + i + 1, mask=ok, other=0)
-        n = tl.where(ok, (hi - lo + ROWS - 1) // ROWS, 0)
-        end = tl.cumsum(n, 0) + base
-        hit = (pid < end) & (pid >= end - n)
-        r = tl.maximum(r, tl.max(tl.where(hit, i, -1)))
-        t0 += tl.sum(tl.where(hit, lo + (pid - (end - n)) * ROWS, 0))
-        t_end += tl.sum(tl.where(hit, hi, 0))
-        base += tl.sum(n)
+    r, t0, t_end = prefill_tile(pid, qsl_ptr, n_req, ROWS, RCH)
     rs = tl.maximum(r, 0).to(tl.int64)
     seq_len = tl.load(seqlen_ptr + rs).to(tl.int64)
     n_blocks = (seq_len + BS - 1) // BS
@@ -543,7 +529,7 @@ def _launch_prefill(runner: Runner, spec: KernelSpec, q: torch.Tensor, k_data: t
                     out: torch.Tensor, scale: float) -> None:
     c = spec.constexprs
     t, n_req, rows = q.shape[0], seq_lens.shape[0], c["ROWS"]
-    tiles = (t + n_req * (rows - 1)) // rows  # >= sum_r ceil(rows_r / ROWS), whatever the split of T
+    tiles = prefill_tile_count(t, n_req, rows)
     args = (q, k_data, k_scale.view(torch.uint8), v_data, v_scale.view(torch.uint8), selected, positions,
             query_start_loc, seq_lens, block_table, out, n_req, block_table.stride(0), float(scale))
     runner(spec, (tiles, c["KVH"]), args)

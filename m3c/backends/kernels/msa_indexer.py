@@ -88,6 +88,7 @@ import triton.language as tl
 
 from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big
 from m3c.backends.kernels.host import interpreting, num_sms
+from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
@@ -171,28 +172,6 @@ def _block_diag(qh, HD: tl.constexpr, NG: tl.constexpr, M: tl.constexpr):
 
 
 @triton.jit
-def _prefill_tile(pid, qsl_ptr, NR, ROWS: tl.constexpr, RB: tl.constexpr):
-    """(request, first row) of prefill tile ``pid`` (tiles numbered request by request, ceil(rows / ROWS)
-    each), by a prefix sum over query_start_loc in registers; request -1 for a spare program."""
-    r_hit = pid * 0 - 1
-    t_hit = pid * 0
-    base = pid * 0
-    for r0 in range(0, NR, RB):
-        rr = r0 + tl.arange(0, RB)
-        ok = rr < NR
-        lo = tl.load(qsl_ptr + rr, mask=ok, other=0)
-        hi = tl.load(qsl_ptr + rr + 1, mask=ok, other=0)
-        nt = tl.where(ok, (hi - lo + ROWS - 1) // ROWS, 0)
-        incl = base + tl.cumsum(nt, 0)
-        excl = incl - nt
-        hit = (excl <= pid) & (pid < incl)
-        r_hit = tl.maximum(r_hit, tl.max(tl.where(hit, rr, -1)))
-        t_hit = tl.maximum(t_hit, tl.max(tl.where(hit, lo + (pid - excl) * ROWS, 0)))
-        base += tl.sum(nt)
-    return r_hit, t_hit
-
-
-@triton.jit
 def indexer_scores_kernel(
     q_ptr, kd_ptr, ks_ptr, pos_ptr, qsl_ptr, seq_ptr, bt_ptr, out_ptr,
     stride_qt, stride_qg, stride_bt, MB, NR, chunk_blocks,
@@ -203,15 +182,15 @@ def indexer_scores_kernel(
     """Block-max index scores of one (row tile, block chunk): out[t, g, b] float32 for the tile's rows t.
 
     PREFILL=False: program_id(0) is a request, whose rows are walked ROWS at a time (decode: one tile).
-    PREFILL=True: program_id(0) is one ROWS-row tile of one request (found by ``_prefill_tile``).
+    PREFILL=True: program_id(0) is one ROWS-row tile of one request (found by ``prefill_tile``).
     """
     KEYS: tl.constexpr = NBT * BS
     HD: tl.constexpr = D // 2
     NG: tl.constexpr = D // 16
     pid = tl.program_id(0)
     if PREFILL:
-        r, t_lo = _prefill_tile(pid, qsl_ptr, NR, ROWS, RB)
-        t_hi = tl.where(r >= 0, tl.minimum(t_lo + ROWS, tl.load(qsl_ptr + tl.maximum(r, 0) + 1)), t_lo)
+        r, t_lo, t_end = prefill_tile(pid, qsl_ptr, NR, ROWS, RB)
+        t_hi = tl.where(r >= 0, tl.minimum(t_lo + ROWS, t_end), t_lo)
         r = tl.maximum(r, 0)
     else:
         r = pid
@@ -542,7 +521,7 @@ def msa_indexer(
     if prefill:
         rows = _prefill_rows(g, prefill_m)
         spec = _scores_spec(g, d, block_size, q_name, rows, True, "f32scale", interpreting())
-        n_prog = (t + n_req * (rows - 1)) // rows  # >= sum_r ceil(rows_r / rows)
+        n_prog = prefill_tile_count(t, n_req, rows)
     else:
         spec = _scores_spec(g, d, block_size, q_name, max_q_rows, False, deq, interpreting())
         n_prog = n_req

@@ -17,9 +17,7 @@ import os
 import pytest
 import torch
 import triton
-import triton.language as tl
 
-from m3c.backends.kernels.msa_indexer import _prefill_tile
 from m3c.backends.triton_aot import KernelSpec
 from m3c.errors import ShapeError
 from m3c.model_defs import ops
@@ -215,31 +213,6 @@ def test_prefill_tiles(case: tuple, exact: bool, rng: torch.Generator) -> None:
     _check(b, bs, top_k, exact=exact, max_q_rows=2, prefill_m=prefill_m, chunk_blocks=chunk)
 
 
-@triton.jit
-def _tiles_kernel(qsl_ptr, out_ptr, NR, ROWS: tl.constexpr, RB: tl.constexpr):
-    """(request, first row) of each prefill tile, as the scores kernel computes them."""
-    pid = tl.program_id(0)
-    r, t = _prefill_tile(pid, qsl_ptr, NR, ROWS, RB)
-    tl.store(out_ptr + 2 * pid, r)
-    tl.store(out_ptr + 2 * pid + 1, tl.where(r >= 0, t, -1))
-
-
-def test_prefill_tile_map_over_many_requests(rng: torch.Generator) -> None:
-    """_prefill_tile (the in-register prefix sum) with request blocks of RB=4 over 11 requests: every
-    (request, first row) of ceil(rows / ROWS) tiles each, in order, then spare programs (-1)."""
-    _kernels()
-    rows = torch.randint(0, 9, (11,), generator=rng)
-    rows[3] = 0
-    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), rows.cumsum(0)]).to(torch.int32)
-    t, n_req, tile = int(rows.sum()), 11, 3
-    n_prog = (t + n_req * (tile - 1)) // tile
-    out = torch.full((n_prog, 2), -9, dtype=torch.int32)
-    _tiles_kernel[(n_prog,)](qsl, out, n_req, ROWS=tile, RB=4)
-    want = [(r, int(qsl[r]) + i * tile) for r in range(n_req) for i in range(-(-int(rows[r]) // tile))]
-    want += [(-1, -1)] * (n_prog - len(want))
-    assert [tuple(x) for x in out.tolist()] == want
-
-
 def test_launcher_specs_are_listed() -> None:
     """Every spec the launcher produces, at several (T, R, max_blocks), phases and dequant paths, is in
     indexer_specs (by key), so an AOT compile of that list serves every launch."""
@@ -379,7 +352,6 @@ def _resources(binary: bytes) -> str:
     import tempfile
     from pathlib import Path
 
-    import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
