@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from _timing import bench, bench_graph
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, token_requests
-from m3c.backends.kernels.msa_indexer import msa_indexer_decode
+from m3c.backends.kernels.msa_indexer import msa_indexer
 from m3c.model_defs import ops as mops
 
 READ_BW = 4.28e12
@@ -50,16 +50,16 @@ def run(ctx: int, batch: int) -> dict:
     iq = torch.randn((batch, 1, D), device=dev, generator=gen).bfloat16()
     rot = token_requests(qsl, batch)
     row: dict = {"context": ctx, "batch": batch}
-    scores, sel = msa_indexer_decode(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK)
+    scores, sel = msa_indexer(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK)
     ref_scores = mops.indexer_block_scores(iq[:1].float(), ikd, iks, "nvfp4", pos[:1], qsl[:2], seq[:1], table[:1], BS)
     ref_sel = mops.select_blocks(ref_scores, pos[:1], BS, TOPK)
     row["selection_equals_reference"] = bool(torch.equal(sel[:1], ref_sel))
     row["score_max_abs_diff"] = float((scores[:1] - ref_scores).abs().max())
-    row["indexer_ms"] = bench(lambda: msa_indexer_decode(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK))
+    row["indexer_ms"] = bench(lambda: msa_indexer(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK))
     row["attention_ms"] = bench(lambda: msa_sparse_attention_decode(q, kd, ks, vd, vs, sel, pos, qsl, seq, table, BS,
                                                                      D**-0.5, req_of_token=rot))
     row["msa_total_ms"] = row["indexer_ms"] + row["attention_ms"]
-    row["indexer_graph_ms"] = bench_graph(lambda: msa_indexer_decode(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK))
+    row["indexer_graph_ms"] = bench_graph(lambda: msa_indexer(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK))
     row["attention_graph_ms"] = bench_graph(lambda: msa_sparse_attention_decode(
         q, kd, ks, vd, vs, sel, pos, qsl, seq, table, BS, D**-0.5, req_of_token=rot))
     row["msa_graph_total_ms"] = row["indexer_graph_ms"] + row["attention_graph_ms"]

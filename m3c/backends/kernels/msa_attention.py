@@ -568,20 +568,30 @@ def msa_sparse_attention(
     t, h, d = q.shape
     if t == 0:
         return out
-    kvh, top_k, r = k_data.shape[2], sel.shape[-1], seq.shape[0]
-    gpu, qn = not interpreting(), _q_name(q.dtype)
-    if max_q_rows is None or t <= max_q_rows * r:
-        if req_of_token is None:
-            req_of_token = token_requests(qsl, t)
-        elif tuple(req_of_token.shape) != (t,):
-            raise ShapeError(f"req_of_token has shape {tuple(req_of_token.shape)}: expected ({t},)")
-        spec = decode_spec(h, kvh, d, block_size, top_k, qn, pick_split(t * kvh, top_k, q.device), gpu=gpu)
-        _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, req_of_token.to(torch.int32),
-                       seq, table, out, scale)
+    if max_q_rows is None or t <= max_q_rows * seq.shape[0]:
+        _decode(runner, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, block_size, scale,
+                req_of_token)
     else:
-        spec = prefill_spec(h, kvh, d, block_size, top_k, qn, gpu=gpu)
+        spec = prefill_spec(h, k_data.shape[2], d, block_size, sel.shape[-1], _q_name(q.dtype), gpu=not interpreting())
         _launch_prefill(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, scale)
     return out
+
+
+def _decode(runner: Runner, q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
+            v_scale: torch.Tensor, sel: torch.Tensor, pos: torch.Tensor, qsl: torch.Tensor, seq: torch.Tensor,
+            table: torch.Tensor, out: torch.Tensor, block_size: int, scale: float,
+            req_of_token: torch.Tensor | None, split: int | None = None, **tiles: int | None) -> None:
+    """The decode kernel on checked inputs: split (default: the bucket filling the GPU) and tile overrides."""
+    t, h, d = q.shape
+    kvh, top_k = k_data.shape[2], sel.shape[-1]
+    if req_of_token is None:
+        req_of_token = token_requests(qsl, t)
+    elif tuple(req_of_token.shape) != (t,):
+        raise ShapeError(f"req_of_token has shape {tuple(req_of_token.shape)}: expected ({t},)")
+    split = max(1, min(split or pick_split(t * kvh, top_k, q.device), top_k))
+    spec = decode_spec(h, kvh, d, block_size, top_k, _q_name(q.dtype), split, gpu=not interpreting(), **tiles)
+    _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, req_of_token.to(torch.int32), seq,
+                   table, out, scale)
 
 
 def msa_sparse_attention_decode(
@@ -609,17 +619,10 @@ def msa_sparse_attention_decode(
     :func:`msa_sparse_attention` for the arguments. Any split in [1, top_k] works (not only the buckets)."""
     sel, pos, qsl, seq, table, out = _checked(q, k_data, k_scale, v_data, v_scale, selected, positions,
                                               query_start_loc, seq_lens, block_table, block_size, out)
-    t, h, d = q.shape
-    if t == 0:
+    if q.shape[0] == 0:
         return out
-    kvh, top_k = k_data.shape[2], sel.shape[-1]
-    split = max(1, min(split or pick_split(t * kvh, top_k, q.device), top_k))
     if block_n is not None and ((block_size % block_n and block_n < block_size) or block_n & (block_n - 1)):
         raise ShapeError(f"block_n={block_n} must be a power of two dividing block_size {block_size} (or above it)")
-    spec = decode_spec(h, kvh, d, block_size, top_k, _q_name(q.dtype), split, gpu=not interpreting(),
-                       block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    if req_of_token is None:
-        req_of_token = token_requests(qsl, t)
-    _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, req_of_token.to(torch.int32), seq,
-                   table, out, scale)
+    _decode(runner, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, block_size, scale,
+            req_of_token, split, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -3,7 +3,7 @@
 Semantics: exactly ``m3c.model_defs.ops.select_blocks(ops.indexer_block_scores(...))`` over the paged
 cache (reference: :mod:`m3c.model_defs.msa`), for decode, speculative rows and chunked prefill.
 
-Launch (:func:`msa_indexer`; :func:`msa_indexer_decode` is its old name). Two kernels, both launched as
+Launch (:func:`msa_indexer`). Two kernels, both launched as
 ``runner(spec, grid, runtime_args)`` (:data:`m3c.backends.triton_aot.Runner`: Triton's JIT by default,
 or the runtime's offline-compiled cubins). Constexprs depend on static facts only (G, D, block size,
 top_k, q dtype, max_q_rows, the phase and a bucket of the block-table width); :func:`indexer_specs`
@@ -79,8 +79,6 @@ Contract: every token row belongs to a request (query_start_loc[-1] == T), posit
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import triton
@@ -531,21 +529,3 @@ def msa_indexer(
             index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, n_req, chunk))
     runner(_topk_spec(g, block_size, top_k, _topk_ch(mb)), (t * g,), (scores, positions, selected, mb))
     return scores, selected
-
-
-def msa_indexer_decode(
-    index_q: torch.Tensor,
-    k_data: torch.Tensor,
-    k_scale: torch.Tensor,
-    positions: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    top_k: int,
-    max_q_rows: int = 8,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Alias of :func:`msa_indexer` (its earlier name and positional ``max_q_rows``), kept for callers."""
-    return msa_indexer(index_q, k_data, k_scale, positions, query_start_loc, seq_lens, block_table, block_size,
-                       top_k, max_q_rows=max_q_rows, **kwargs)

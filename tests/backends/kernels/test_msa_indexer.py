@@ -273,7 +273,7 @@ def test_nan_scale_gives_nan_score_never_selected(rng: torch.Generator) -> None:
     bs = 8
     b = _batch([64], [1], bs, 32, 1, rng, exact=True)
     b["k_scale"].view(torch.uint8)[b["block_table"][0, 3], 5, 0, 1] = 0x7F
-    scores, sel = _kernels().msa_indexer_decode(**b, block_size=bs, top_k=8)
+    scores, sel = _kernels().msa_indexer(**b, block_size=bs, top_k=8)
     ref = _reference(b, bs)
     assert torch.isnan(scores[0, 0, 3]) and torch.equal(scores.nan_to_num(), ref.nan_to_num())
     assert torch.equal(sel, ops.select_blocks(ref, b["positions"], bs, 8))
@@ -326,11 +326,11 @@ def test_rejects_bad_shapes(rng: torch.Generator) -> None:
     b = _batch([20], [1], 8, 64, 1, rng, exact=True)
     mi = _kernels()
     with pytest.raises(ShapeError, match="k_data"):
-        mi.msa_indexer_decode(**b, block_size=16, top_k=2)
+        mi.msa_indexer(**b, block_size=16, top_k=2)
     with pytest.raises(ShapeError, match="positions"):
-        mi.msa_indexer_decode(**(b | {"positions": b["positions"][:0]}), block_size=8, top_k=2)
+        mi.msa_indexer(**(b | {"positions": b["positions"][:0]}), block_size=8, top_k=2)
     with pytest.raises(ShapeError, match="top_k"):
-        mi.msa_indexer_decode(**b, block_size=8, top_k=0)
+        mi.msa_indexer(**b, block_size=8, top_k=0)
     with pytest.raises(ShapeError, match="dtype"):
         mi.msa_indexer(**(b | {"query_start_loc": b["query_start_loc"].float()}), block_size=8, top_k=2)
     with pytest.raises(ShapeError, match="seq_lens"):
