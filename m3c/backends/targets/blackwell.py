@@ -4,6 +4,8 @@ QMUL4 is PTX ``mul.e4m3x4.e2m1x4.e4m3x4`` (CUDA ≥ 13.4): four NVFP4 codes time
 scale become four FP8 values in one instruction, which then feed the FP8 tcgen05 MMA.
 """
 
+from dataclasses import replace
+
 from m3c.backends.target import KB, Target, register_target
 from m3c.backends.targets._stages import NVIDIA_STAGES
 
@@ -35,24 +37,11 @@ BLACKWELL = register_target(Target(
     binary_ext="cubin",
 ))
 
-BLACKWELL_ULTRA = register_target(Target(
+BLACKWELL_ULTRA = register_target(replace(
+    BLACKWELL,
     name="blackwell-ultra",
     arch="sm_103a",
-    vendor="nvidia",
     products=("B300", "GB300"),
-    compute_units=148,
-    smem_per_block=227 * KB,
-    smem_per_sm=228 * KB,
-    warp_size=32,
-    mma=_MMA,
-    fp8=True,
-    fp4=True,
-    nvfp4_dequant=_DEQUANT,
-    pipeline="blackwell",
-    stages=NVIDIA_STAGES,
-    runtime="cuda",
     capability=(10, 3),
-    tmem_columns=512,
-    binary_ext="cubin",
     notes="SM count as for B200 (working figure; the enabled count may differ per SKU)",
 ))
