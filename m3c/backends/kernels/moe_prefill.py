@@ -122,6 +122,17 @@ def _dot(a, w, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _a_tile(row_ptrs, cols, valid, DOT_F32: tl.constexpr):
+    """Activation rows (pointers [BM, 1]) × columns `cols` as the dot's A operand (float32 or bf16); 0 past T."""
+    a = tl.load(row_ptrs + cols[None, :], mask=valid[:, None], other=0.0)
+    if DOT_F32:
+        out = a.to(tl.float32)
+    else:
+        out = a.to(tl.bfloat16)
+    return out
+
+
+@triton.jit
 def _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_rows, H: tl.constexpr,
               N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               DOT_F32: tl.constexpr):
@@ -133,11 +144,7 @@ def _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
-        xt = tl.load(xrow + (k0 + kk)[None, :], mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            xt = xt.to(tl.float32)
-        else:
-            xt = xt.to(tl.bfloat16)
+        xt = _a_tile(xrow, k0 + kk, valid, DOT_F32)
         wg = _w_tile(wd_ptr, ws_ptr, rg, k0, H, FMT, BN, BK, DOT_F32)
         acc_g = _dot(xt, wg, acc_g, DOT_F32)
         wu = _w_tile(wd_ptr, ws_ptr, ru, k0, H, FMT, BN, BK, DOT_F32)
@@ -160,11 +167,7 @@ def _fc2_tile(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        at = tl.load(arow + (k0 + kk)[None, :], mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            at = at.to(tl.float32)
-        else:
-            at = at.to(tl.bfloat16)
+        at = _a_tile(arow, k0 + kk, valid, DOT_F32)
         w = _w_tile(wd_ptr, ws_ptr, rw, k0, K, FMT, BN, BK, DOT_F32)
         acc = _dot(at, w, acc, DOT_F32)
     acc = acc * _row_mul(wg_ptr, rw, FMT)[None, :] * wt[:, None]
