@@ -1,11 +1,16 @@
-"""Timing helpers every benchmark script shares (imported as ``from _timing import ...``: scripts run from
-this directory's parent as ``python benchmarks/<script>.py``, which puts this directory on sys.path)."""
+"""What every benchmark script shares: timing, and writing its results (imported as ``from _timing import
+...``: scripts run as ``python benchmarks/<script>.py``, which puts this directory on sys.path)."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import torch
+import triton
 import triton.testing
 
 
@@ -22,3 +27,13 @@ def bench_graph(fn: Callable[[], Any], rep: int = 100) -> float:
     except Exception as e:  # recorded in the tables as NaN
         print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return float("nan")
+
+
+def write_results(name: str, rows: list[dict], **extra: Any) -> Path:
+    """Write ``{bench, device, torch, triton, **extra, rows}`` to $OUT/<name>.json (or benchmarks/results)."""
+    out = Path(os.environ.get("OUT", "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"bench": name, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                "triton": triton.__version__, **extra, "rows": rows}, indent=2))
+    return path

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import bench, bench_graph
+from _timing import bench, bench_graph, write_results
 
 from m3c.backends.kernels.megamoe import megamoe
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, moe_decode
@@ -171,11 +169,7 @@ def main() -> None:
             rows.append({"T": t, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe.json").write_text(json.dumps({"bench": "moe", "device": torch.cuda.get_device_name(),
-                                              "torch": torch.__version__, "shape": [H, INTER, E, K, S], "rows": rows},
-                                             indent=2))
+    write_results("moe", rows, shape=[H, INTER, E, K, S])
     print(f"\n{'T':>6} {'exp':>4} {'ours':>9} {'graph':>9} {'launch':>9} {'bf16 gmm':>9} {'fp8 gmm':>9} "
           f"{'compiled':>9} {'floor':>8} {'xbf16':>6} {'%bw':>5} {'err':>8}")
     for r in rows:

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import bench, bench_graph
+from _timing import bench, bench_graph, write_results
 
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.model_defs import quant
@@ -140,11 +138,7 @@ def main() -> None:
         row["best"] = {"name": best[1], "ms": best[0], "speedup_vs_grouped_mm": row["grouped_mm_ms"] / best[0]}
         print(json.dumps({k: v for k, v in row.items() if k != "variants"}), flush=True)
         rows.append(row)
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_prefill_variants.json").write_text(json.dumps(
-        {"bench": "moe_prefill_variants", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-         "shape": {"H": H, "I": I, "E": E, "top_k": K, "shared_inter": S}, "rows": rows}, indent=1))
+    write_results("moe_prefill_variants", rows, shape={"H": H, "I": I, "E": E, "top_k": K, "shared_inter": S})
 
 
 if __name__ == "__main__":

@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import bench, bench_graph
+from _timing import bench, bench_graph, write_results
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention
 from m3c.backends.kernels.msa_indexer import msa_indexer
@@ -173,10 +171,7 @@ def main() -> None:
             rows.append({"context": ctx, "batch": batch, "rows": nrows, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "msa.json").write_text(json.dumps({"bench": "msa", "device": torch.cuda.get_device_name(),
-                                              "torch": torch.__version__, "rows": rows}, indent=2))
+    write_results("msa", rows)
     print(f"\n{'ctx':>8} {'B':>3} {'rows':>5} {'msa':>9} {'scores':>9} {'topk':>8} {'attn':>9} {'floor':>8} "
           f"{'/floor':>6} {'sdpa':>9} {'xdense':>7} {'ref':>9} sel==ref")
     us = lambda r, k: f"{r.get(k, float('nan')) * 1e3:>8.1f}u"  # noqa: E731

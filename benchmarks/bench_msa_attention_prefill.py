@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
-from _timing import bench_graph
+from _timing import bench_graph, write_results
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention, msa_sparse_attention_decode, token_requests
 from m3c.model_defs import ops as mops
@@ -133,11 +130,7 @@ def main() -> None:
                 rows_out.append({"context": ctx, "selection": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 print(rows_out[-1], flush=True)
             torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "msa_attention_prefill.json").write_text(json.dumps(
-        {"bench": "msa_attention_prefill", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-         "triton": triton.__version__, "rows": rows_out}, indent=2))
+    write_results("msa_attention_prefill", rows_out)
     print(f"\n{'ctx':>8} {'sel':>6} {'prefill':>9} {'decode-k':>9} {'sdpa':>9} {'floor':>8} {'x floor':>7} "
           f"{'TFLOP/s':>7} {'x sdpa':>7} {'x dec':>6} {'blocks':>6} {'err':>8}")
     for r in rows_out:

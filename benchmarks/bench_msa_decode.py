@@ -13,12 +13,10 @@ Usage (H200): PYTHONPATH=. python benchmarks/bench_msa_decode.py
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _timing import bench, bench_graph
+from _timing import bench, bench_graph, write_results
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, token_requests
 from m3c.backends.kernels.msa_indexer import msa_indexer
@@ -87,10 +85,7 @@ def main() -> None:
             rows.append({"context": ctx, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "msa_decode.json").write_text(json.dumps({"bench": "msa_decode", "device": torch.cuda.get_device_name(),
-                                                     "torch": torch.__version__, "rows": rows}, indent=2))
+    write_results("msa_decode", rows)
     print(f"\n{'ctx':>8} {'B':>2} {'indexer':>9} {'attn':>9} {'total':>9} {'graph':>9} {'floor':>8} {'sdpa':>9} "
           f"{'xdense':>7} sel==ref")
     for r in rows:

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton.testing
-from _timing import bench_graph
+from _timing import bench_graph, write_results
 
 from m3c.backends.kernels.msa_indexer import DEQ_MODES, _topk_ch, _topk_spec, msa_indexer
 from m3c.backends.triton_aot import jit_run
@@ -163,11 +161,7 @@ def main() -> None:
             rows.append({"phase": phase, "context": ctx, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    out = Path(os.environ.get("OUT", "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "msa_indexer_variants.json").write_text(json.dumps(
-        {"bench": "msa_indexer_variants", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-         "triton": triton.__version__, "rows": rows}, indent=2))
+    write_results("msa_indexer_variants", rows)
     print(f"\n{'phase':>7} {'ctx':>8} {'B':>2} {'deq':>9} {'us':>9} {'topk':>7} {'floor':>8} {'%floor':>7} "
           f"{'xdense':>7} {'sel==':>6} {'rows==':>6}")
     for r in rows:
