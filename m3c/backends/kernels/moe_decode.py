@@ -47,6 +47,7 @@ the scale), ~2 ops per weight, via inline PTX with this float path kept for the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -336,6 +337,7 @@ def _shared_types(shared_fmt: str) -> tuple[str, str]:
     return ("*bf16", "*u8") if shared_fmt == "bf16" else ("*u8", "*u8")
 
 
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _spec(hidden: int, inter: int, shared_inter: int, top_k: int, mb: int, act_dtype: str, shared_fmt: str,
           tiles: DecodeTiles, native: bool) -> KernelSpec:
     act = {"bf16": "*bf16", "fp32": "*fp32"}[act_dtype]

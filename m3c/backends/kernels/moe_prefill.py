@@ -47,6 +47,7 @@ T >= 4096 is compute-bound; at T = 512 weight bytes (0.24 ms) and FLOPs (0.35 ms
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -329,7 +330,8 @@ def _ptr(fmt: str | None, data: bool) -> str:
     return "*u8"
 
 
-def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> list[KernelSpec]:
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
+def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> tuple[KernelSpec, ...]:
     """KernelSpecs of FC1, FC2 and the combine for one layout and tiling."""
     act = "*" + lay.act_dtype
     dot_f32 = lay.act_dtype == "fp32" or upcast
@@ -346,7 +348,7 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> list[KernelSpec]:
           "tend_ptr": "*i32", **w, "y_ptr": act, "T": "i32", "n_sh": "i32"}
     t3 = {"y_ptr": act, "ids_ptr": "*i64", "out_ptr": act, "T": "i32"}
     aligned = ("x_ptr", "act_ptr", "sact_ptr", "y_ptr", "wd_ptr", "ws_ptr", "sd_ptr", "ss_ptr", "out_ptr")
-    return [
+    return (
         KernelSpec("moe_prefill_fc1", moe_fc1_kernel, t1, common | {"BN": tiles.bn1}, tiles.warps, tiles.stages,
                    tuple(a for a in aligned if a in t1)),
         KernelSpec("moe_prefill_fc2", moe_fc2_kernel, t2, common | {"BN": tiles.bn2}, tiles.warps, tiles.stages,
@@ -354,7 +356,7 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> list[KernelSpec]:
         KernelSpec("moe_prefill_combine", moe_combine_kernel, t3,
                    dict(H=lay.hidden, TOPK=lay.top_k, E=lay.experts, HAS_SHARED=has_sh, BT=tiles.bt, BH=tiles.bh),
                    tiles.cwarps, 1, tuple(a for a in aligned if a in t3)),
-    ]
+    )
 
 
 def moe_prefill_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,

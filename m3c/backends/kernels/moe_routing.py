@@ -30,6 +30,7 @@ Floor: the T·H activations and the E×H gate (1.5 MB float32 at E = 64, H = 614
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +201,7 @@ def route_specs(experts: int, top_k: int) -> list[KernelSpec]:
     return [_route_spec(experts, top_k, tp, norm, True) for tp in (16, 32, 64) for norm in (True, False)]
 
 
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _route_spec(experts: int, top_k: int, tp: int, norm: bool, native: bool) -> KernelSpec:
     types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "pairs_ptr": "*i32",
              "slot_expert_ptr": "*i32", "slot_start_ptr": "*i32", "slot_count_ptr": "*i32",

@@ -71,6 +71,8 @@ does 1/512 of its FLOPs, so ~150-250× faster is the expectation (goal: >= 8×).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -367,6 +369,7 @@ def _common_types(q: str) -> dict[str, str]:
 _ALIGNED = ("q_ptr", "kd_ptr", "ks_ptr", "vd_ptr", "vs_ptr", "out_ptr")  # 16-byte aligned (checked at launch)
 
 
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def decode_spec(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_k: int, q_dtype: str, split: int,
                 *, gpu: bool = True, block_n: int | None = None, num_warps: int | None = None,
                 num_stages: int = 3) -> KernelSpec:
@@ -399,6 +402,7 @@ def prefill_config(num_heads: int, num_kv_heads: int, q_dtype: str, gpu: bool = 
     return min(16, max(1, 16 // hgp)), 32, 4, 1
 
 
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def prefill_spec(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_k: int, q_dtype: str,
                  *, gpu: bool = True, rows: int | None = None, block_n: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None) -> KernelSpec:

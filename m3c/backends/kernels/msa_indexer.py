@@ -80,6 +80,8 @@ Contract: every token row belongs to a request (query_start_loc[-1] == T), posit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -362,6 +364,7 @@ def _nbt(block_size: int) -> int:
     return max(1, 64 // block_size)
 
 
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefill: bool, deq: str,
                  upcast: bool) -> KernelSpec:
     nbt = _nbt(block_size)
@@ -379,6 +382,7 @@ def _scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefi
                       divisible_16=("kd_ptr", "ks_ptr", "out_ptr"))
 
 
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _topk_spec(g: int, block_size: int, top_k: int, ch: int) -> KernelSpec:
     consts = dict(G=g, BS=block_size, K=top_k, KO=max(2, triton.next_power_of_2(top_k)), CH=ch, CAUSAL=True)
     types = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "MB": "i32"}

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,6 +210,7 @@ def launch_unfused(x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: tor
     return q, (iq if shape.num_index_heads else None)
 
 
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def fused_spec(shape: QKVShape, tiles: Tiles, act: str = "bf16", q_out: str = "bf16"):
     """The AOT KernelSpec of the fused kernel (split-K variant when tiles[4] > 1) for one layout and dtypes."""
     from m3c.backends.triton_aot import KernelSpec
