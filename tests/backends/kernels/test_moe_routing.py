@@ -167,3 +167,17 @@ def test_fused_routing_small_expert_counts_gpu(experts: int, top_k: int, rng: to
     moe = random_moe(128, 64, experts, top_k, "mxfp8", cuda_generator(rng), device="cuda")
     for t in (1, 3, 16, 17, 64):
         _check_fused(moe, torch.randn(t, 128, generator=rng).to("cuda"))
+
+
+def test_gate_weight_converts_once_per_version(rng: torch.Generator) -> None:
+    """The router weight is converted once per (tensor, version): repeated steps reuse it, an in-place
+    update of the weight is seen."""
+    from m3c.backends.kernels.moe_routing import gate_weight
+
+    g = torch.randn(8, 16, generator=rng).bfloat16()
+    first = gate_weight(g, torch.float32)
+    assert gate_weight(g, torch.float32) is first and torch.equal(first, g.float())
+    g.mul_(2)
+    again = gate_weight(g, torch.float32)
+    assert again is not first and torch.equal(again, g.float())
+    assert gate_weight(g, torch.float64).dtype == torch.float64
