@@ -46,6 +46,7 @@ class OpDef:
     replaces: tuple[str, ...] = ()
     doc: str = ""
     dim_attrs: tuple[str, ...] = ()  # attributes holding (possibly symbolic) dims, bound at run time
+    host_sync: bool = False  # the reference synchronizes with the host (.tolist(), unique): no CUDA-graph capture
 
     @property
     def variadic(self) -> bool:
@@ -143,12 +144,12 @@ def all_ops() -> dict[str, OpDef]:
 
 def defop(name: str, operands: Sequence[str], attrs: dict[str, Any] | None = None, *, infer: InferFn,
           writes: Sequence[str] = (), reads: Sequence[str] = (), replaces: Sequence[str] = (),
-          dim_attrs: Sequence[str] = ()) -> Callable[[RefFn], RefFn]:
+          dim_attrs: Sequence[str] = (), host_sync: bool = False) -> Callable[[RefFn], RefFn]:
     """Decorator: register the decorated function as the reference of a new op."""
 
     def wrap(fn: RefFn) -> RefFn:
         register(OpDef(name, tuple(operands), dict(attrs or {}), infer, fn, tuple(writes), tuple(reads),
-                       tuple(replaces), (fn.__doc__ or "").strip().split("\n")[0], tuple(dim_attrs)))
+                       tuple(replaces), (fn.__doc__ or "").strip().split("\n")[0], tuple(dim_attrs), host_sync))
         return fn
 
     return wrap

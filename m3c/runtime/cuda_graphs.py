@@ -19,21 +19,19 @@ from typing import Any
 
 import torch
 
-HOST_SYNC_OPS = frozenset({"indexer_block_scores", "select_blocks", "sparse_attention", "paged_attention",
-                           "grouped_gemm", "msa_attention", "megamoe"})
-"""Ops whose torch references synchronize with the host (when they run as references)."""
+from m3c.ir.registry import get_op
 
 
 def host_sync_ops(program: Any) -> list[str] | None:
-    """The ops of `program` that run their host-synchronizing torch reference (so capture cannot work);
-    None when `program` is not an m3c Program (nothing is known: capture is tried)."""
+    """The ops of `program` that run a host-synchronizing torch reference (``OpDef.host_sync``), so capture
+    cannot work; None when `program` is not an m3c Program (nothing is known: capture is tried)."""
     if program is None or not hasattr(program, "graph"):
         return None
     plan = getattr(program, "launch_plan", [])
     listed = next((e["reference_ops"] for e in plan if "reference_ops" in e), None)
     if listed is None:  # a cpu program: every op is a reference
-        return sorted({n.op for n in program.graph.nodes} & HOST_SYNC_OPS)
-    return sorted(set(listed) & HOST_SYNC_OPS)
+        listed = {n.op for n in program.graph.nodes}
+    return sorted(op for op in set(listed) if get_op(op).host_sync)
 
 
 class GraphedStep:

@@ -106,7 +106,7 @@ def _swiglu(y: torch.Tensor, dim: int) -> torch.Tensor:
 
 @defop("megamoe", MOE_OPERANDS, MOE_ATTRS, infer=_megamoe_infer,
        replaces=("cast", "linear", "sigmoid", "add", "topk", "gather", "sum", "div", "mul", "grouped_gemm",
-                 "split", "silu", "unsqueeze", "dequantize"))
+                 "split", "silu", "unsqueeze", "dequantize"), host_sync=True)
 def megamoe(x: torch.Tensor, gate_w: torch.Tensor, correction_bias: torch.Tensor, w13: RuntimeTensor,
             w2: RuntimeTensor, shared_w13: RuntimeTensor | None = None, shared_w2: RuntimeTensor | None = None, *,
             top_k: int, routed_scaling_factor: float, norm_topk_prob: bool, router_dtype: str,

@@ -70,7 +70,7 @@ def _msa_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]:
 
 
 @defop("msa_attention", MSA_OPERANDS, MSA_ATTRS, infer=_msa_infer, reads=("index_k_cache", "k_cache", "v_cache"),
-       replaces=("indexer_block_scores", "select_blocks", "sparse_attention"))
+       replaces=("indexer_block_scores", "select_blocks", "sparse_attention"), host_sync=True)
 def msa_attention(q: torch.Tensor, index_q: torch.Tensor, index_k_cache: RuntimeTensor,
                   index_k_scale: torch.Tensor | None, k_cache: RuntimeTensor, k_scale: torch.Tensor | None,
                   v_cache: RuntimeTensor, v_scale: torch.Tensor | None, positions: torch.Tensor,

@@ -140,7 +140,7 @@ def _attention_infer(sparse: bool):
 
 
 @defop("indexer_block_scores", ("index_q", "k_cache", "k_scale?", *_META), {"block_size": REQUIRED},
-       infer=_indexer_infer, reads=("k_cache",))
+       infer=_indexer_infer, reads=("k_cache",), host_sync=True)
 def indexer_block_scores(index_q: torch.Tensor, k_cache: RuntimeTensor, k_scale: torch.Tensor | None,
                          positions: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                          block_table: torch.Tensor, *, block_size: int) -> torch.Tensor:
@@ -158,7 +158,7 @@ def select_blocks(scores: torch.Tensor, positions: torch.Tensor, *, block_size: 
 
 @defop("sparse_attention", ("q", "k_cache", "k_scale?", "v_cache", "v_scale?", "selected", *_META),
        {"block_size": REQUIRED, "scale": REQUIRED}, infer=_attention_infer(True),
-       reads=("k_cache", "v_cache"))
+       reads=("k_cache", "v_cache"), host_sync=True)
 def sparse_attention(q: torch.Tensor, k_cache: RuntimeTensor, k_scale: torch.Tensor | None, v_cache: RuntimeTensor,
                      v_scale: torch.Tensor | None, selected: torch.Tensor, positions: torch.Tensor,
                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, *,
@@ -172,7 +172,7 @@ def sparse_attention(q: torch.Tensor, k_cache: RuntimeTensor, k_scale: torch.Ten
 
 @defop("paged_attention", ("q", "k_cache", "k_scale?", "v_cache", "v_scale?", *_META),
        {"block_size": REQUIRED, "scale": REQUIRED}, infer=_attention_infer(False),
-       reads=("k_cache", "v_cache"))
+       reads=("k_cache", "v_cache"), host_sync=True)
 def paged_attention(q: torch.Tensor, k_cache: RuntimeTensor, k_scale: torch.Tensor | None, v_cache: RuntimeTensor,
                     v_scale: torch.Tensor | None, positions: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, *, block_size: int,
@@ -210,7 +210,7 @@ def _grouped_gemm_infer(types: Types, attrs: dict[str, Any]) -> list[TensorType]
     return [TensorType(x.dtype, (*ids.shape, w.shape[1]))]
 
 
-@defop("grouped_gemm", ("x", "topk_ids", "w"), infer=_grouped_gemm_infer)
+@defop("grouped_gemm", ("x", "topk_ids", "w"), infer=_grouped_gemm_infer, host_sync=True)
 def grouped_gemm(x: torch.Tensor, topk_ids: torch.Tensor, w: RuntimeTensor) -> torch.Tensor:
     """Per (token, slot): x[t] (or x[t, j]) @ W[topk_ids[t, j]]^T; out [T, k, N]."""
     if isinstance(w, quant.NVFP4Tensor):
