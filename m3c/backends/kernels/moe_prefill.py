@@ -36,6 +36,15 @@ Design (four device steps, no host synchronization, fixed launch shapes for a gi
 4. Combine: out[t] = sum over slots of y[t, slot] in a fixed order (float32 sum): deterministic,
    bit-identical from run to run (greedy decoding tests rely on it).
 
+GEMV tiles (``GEMV`` constexpr; decode batches of T <= ``GEMV_MAX_TOKENS``): the same four steps, but a
+tile holds BM <= 4 rows and no tensor-core dot is issued — an [M, K] × [K, N] MMA at M = 1 wastes 63/64
+of a wgmma. Each K step loads the tile's weight bytes one step ahead (in flight while the previous step
+computes), decodes every weight once — NVFP4 from whole 32-bit words of 8 codes with constant shifts (2
+shifts + 2 LOP3 per code), × its E4M3 scale (×2^119) — and FMAs it with each row's x into float32
+accumulators [BN, BK/16, 2, 8] (one FFMA per weight and row, fp-contraction on), reduced once after the
+loop. Offline sm_90a SASS (Triton 3.9): ~8 instructions per weight in the NVFP4 loop (4 integer, FMUL,
+FFMA, the rest loads and a scale-layout exchange through shared memory).
+
 FLOP / byte floor (m3.1-small: H = 6144, I = S = 1536, E = 64, k = 8, P = T·k pairs):
 FLOPs = 6·P·H·I (routed) + 6·T·H·S (shared) = 54·T·H·I: 2.09 TFLOP at T = 4096 -> ~2.8 ms at
 750 TFLOP/s bf16 (1.6 ms at FP8's 1,280). Bytes: NVFP4 weights of every touched expert,
@@ -177,6 +186,194 @@ def _fc2_tile(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
     tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
 
 
+# GEMV tiles (few rows per expert): CUDA-core FMAs over weights decoded once per program, no tensor cores.
+
+
+@triton.jit
+def _lane(v, i: tl.constexpr):
+    """Element i of a small vector as a scalar."""
+    return tl.sum(tl.where(tl.arange(0, v.shape[0]) == i, v, 0), axis=0)
+
+
+@triton.jit
+def _gemv_load(d_ptr, s_ptr, rows, k0, K: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
+    """The raw weight bytes of rows `rows` [BN] × columns [k0, k0 + 16·G): (data, scale bytes), for `_gemv_w`.
+
+    Loaded one K step ahead of their use (the loop body decodes step k while step k + 1's bytes are in flight).
+    """
+    g = tl.arange(0, G)[None, :, None, None]
+    h = tl.arange(0, 2)[None, None, :, None]
+    r4 = rows[:, None, None, None]
+    if FMT == 2:  # [BN, G, 2, 1] 32-bit words of 8 codes, [BN, G] E4M3 scale bytes
+        wp = d_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        data = tl.load(wp + r4 * (K // 8) + (k0 // 8 + g * 2 + h))
+        sb = tl.load(s_ptr + rows[:, None] * (K // 16) + (k0 // 16 + tl.arange(0, G))[None, :])
+    else:  # [BN, G, 2, 8] bytes or bf16 values, [BN, G] E8M0 scale bytes (MXFP8; a dummy for bf16)
+        p = tl.arange(0, 8)[None, None, None, :]
+        data = tl.load(d_ptr + r4 * K + (k0 + g * 16 + h * 8 + p))
+        if FMT == 1:
+            sb = tl.load(s_ptr + rows[:, None] * (K // 32) + ((k0 // 16 + tl.arange(0, G)) // 2)[None, :])
+        else:
+            sb = tl.zeros([rows.shape[0], G], dtype=tl.int32)
+    return data, sb
+
+
+@triton.jit
+def _gemv_w(data, sb, FMT: tl.constexpr):
+    """`_gemv_load`'s bytes as float32 weights [BN, G, 2, 8] (column 16g + 8h + p at [:, g, h, p]).
+
+    NVFP4 (FMT 2) comes × 2^-7 and without its per-row scale (see `_row_mul`): each 32-bit word of codes
+    (8 nibbles, column order) is decoded with constant shifts, no byte extraction; MXFP8 (1) and bf16 (0)
+    are exact values.
+    """
+    if FMT == 2:
+        p = tl.arange(0, 8)[None, None, None, :]
+        sc = e4m3_big(sb.to(tl.int32))[:, :, None, None]
+        # nibble p's bits (s, e1 e0, m) -> float32 sign / exponent LSBs / mantissa MSB: value × 2^-126 (e2m1_tiny)
+        em = tl.where(4 * p <= 22, data << tl.maximum(22 - 4 * p, 0), data >> tl.maximum(4 * p - 22, 0)) & 0x01C00000
+        sg = (data << (28 - 4 * p)) & -2147483648
+        out = (em | sg).to(tl.float32, bitcast=True) * sc
+    elif FMT == 1:
+        sc = e8m0_to_f32(sb.to(tl.int32))[:, :, None, None]
+        out = _e4m3_bits(data.to(tl.int32)) * _TWO_POW_120 * sc
+    else:
+        out = data.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _e4m3_bits(b):
+    """E4M3 bytes (int32) placed into float32 bits: value × 2^-120 for normals and subnormals alike."""
+    return (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_tile(row_ptr, k0, G: tl.constexpr):
+    """One activation row's columns [k0, k0 + 16·G) as float32 [G, 2, 8], laid out as `_gemv_w`'s columns."""
+    g = tl.arange(0, G)[:, None, None]
+    h = tl.arange(0, 2)[None, :, None]
+    p = tl.arange(0, 8)[None, None, :]
+    return tl.load(row_ptr + k0 + g * 16 + h * 8 + p).to(tl.float32)
+
+
+@triton.jit
+def _row_ptr(base, rows, ok, i: tl.constexpr, stride: tl.constexpr):
+    """(pointer to row rows[i] of a [*, stride] matrix, or to row 0 when that row is not valid; its validity as
+    an int32 scalar: Triton's interpreter rejects store masks built from scalar booleans)."""
+    v = _lane(ok, i)
+    return base + tl.where(v > 0, _lane(rows, i), 0).to(tl.int64) * stride, v
+
+
+@triton.jit
+def _fma_rows(acc, w, x):
+    """acc + w · x elementwise (one FMA per weight: weights [BN, G, 2, 8], one row's x [G, 2, 8]); reduced at the end."""
+    return acc + w * x[None, :, :, :]
+
+
+@triton.jit
+def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_rows, H: tl.constexpr,
+              N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """`_fc1_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
+    G: tl.constexpr = BK // 16
+    rg = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
+    ru = rg + N
+    ok = valid.to(tl.int32)  # rows past the tile's end read row 0 and store nothing
+    x0, ok0 = _row_ptr(x_ptr, tok, ok, 0, H)
+    x1, ok1 = _row_ptr(x_ptr, tok, ok, 1 % BM, H)
+    x2, ok2 = _row_ptr(x_ptr, tok, ok, 2 % BM, H)
+    x3, ok3 = _row_ptr(x_ptr, tok, ok, 3 % BM, H)
+    g0 = tl.zeros([BN, G, 2, 8], dtype=tl.float32)
+    u0, g1, u1, g2, u2, g3, u3 = g0, g0, g0, g0, g0, g0, g0
+    gd, gs = _gemv_load(wd_ptr, ws_ptr, rg, 0, H, FMT, G)
+    ud, us = _gemv_load(wd_ptr, ws_ptr, ru, 0, H, FMT, G)
+    for k0 in range(0, H, BK):
+        kn = tl.minimum(k0 + BK, H - BK)  # the next step's bytes (the last step re-loads its own: harmless)
+        gd_n, gs_n = _gemv_load(wd_ptr, ws_ptr, rg, kn, H, FMT, G)
+        ud_n, us_n = _gemv_load(wd_ptr, ws_ptr, ru, kn, H, FMT, G)
+        wg = _gemv_w(gd, gs, FMT)
+        wu = _gemv_w(ud, us, FMT)
+        gd, gs, ud, us = gd_n, gs_n, ud_n, us_n
+        xt = _x_tile(x0, k0, G)
+        g0 = _fma_rows(g0, wg, xt)
+        u0 = _fma_rows(u0, wu, xt)
+        if BM > 1:
+            xt = _x_tile(x1, k0, G)
+            g1 = _fma_rows(g1, wg, xt)
+            u1 = _fma_rows(u1, wu, xt)
+        if BM > 2:
+            xt = _x_tile(x2, k0, G)
+            g2 = _fma_rows(g2, wg, xt)
+            u2 = _fma_rows(u2, wu, xt)
+            xt = _x_tile(x3, k0, G)
+            g3 = _fma_rows(g3, wg, xt)
+            u3 = _fma_rows(u3, wu, xt)
+    mg = _row_mul(wg_ptr, rg, FMT)
+    mu = _row_mul(wg_ptr, ru, FMT)
+    cols = n0 + tl.arange(0, BN)
+    _silu_mul_row(g0, u0, mg, mu, out_ptr, _lane(out_rows, 0), ok0, cols, N)
+    if BM > 1:
+        _silu_mul_row(g1, u1, mg, mu, out_ptr, _lane(out_rows, 1 % BM), ok1, cols, N)
+    if BM > 2:
+        _silu_mul_row(g2, u2, mg, mu, out_ptr, _lane(out_rows, 2 % BM), ok2, cols, N)
+        _silu_mul_row(g3, u3, mg, mu, out_ptr, _lane(out_rows, 3 % BM), ok3, cols, N)
+
+
+@triton.jit
+def _row_sum(acc):
+    """[BN, G, 2, 8] FMA accumulators -> [BN] row sums."""
+    return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+
+
+@triton.jit
+def _silu_mul_row(g, u, mg, mu, out_ptr, orow, ok, cols, N: tl.constexpr):
+    """out[orow, cols] = SiLU(sum_g(g) · mg) · sum_g(u) · mu for group partials g, u [BN, G]."""
+    gv = _row_sum(g) * mg
+    uv = _row_sum(u) * mu
+    a = gv * tl.sigmoid(gv) * uv
+    tl.store(out_ptr + orow.to(tl.int64) * N + cols, a.to(out_ptr.dtype.element_ty), mask=(cols < N) & (cols * 0 + ok > 0))
+
+
+@triton.jit
+def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, yrows, K: tl.constexpr,
+              H: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """`_fc2_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
+    G: tl.constexpr = BK // 16
+    rw = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
+    ok = valid.to(tl.int32)  # rows past the tile's end read row 0 and store nothing
+    a0, ok0 = _row_ptr(a_ptr, arows, ok, 0, K)
+    a1, ok1 = _row_ptr(a_ptr, arows, ok, 1 % BM, K)
+    a2, ok2 = _row_ptr(a_ptr, arows, ok, 2 % BM, K)
+    a3, ok3 = _row_ptr(a_ptr, arows, ok, 3 % BM, K)
+    c0 = tl.zeros([BN, G, 2, 8], dtype=tl.float32)
+    c1, c2, c3 = c0, c0, c0
+    wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, 0, K, FMT, G)
+    for k0 in range(0, K, BK):
+        wd_n, ws_n = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(k0 + BK, K - BK), K, FMT, G)  # next step's bytes
+        w = _gemv_w(wd, ws, FMT)
+        wd, ws = wd_n, ws_n
+        c0 = _fma_rows(c0, w, _x_tile(a0, k0, G))
+        if BM > 1:
+            c1 = _fma_rows(c1, w, _x_tile(a1, k0, G))
+        if BM > 2:
+            c2 = _fma_rows(c2, w, _x_tile(a2, k0, G))
+            c3 = _fma_rows(c3, w, _x_tile(a3, k0, G))
+    m = _row_mul(wg_ptr, rw, FMT)
+    cols = n0 + tl.arange(0, BN)
+    _scaled_row(c0, m, _lane(wt, 0), y_ptr, _lane(yrows, 0), ok0, cols, H)
+    if BM > 1:
+        _scaled_row(c1, m, _lane(wt, 1 % BM), y_ptr, _lane(yrows, 1 % BM), ok1, cols, H)
+    if BM > 2:
+        _scaled_row(c2, m, _lane(wt, 2 % BM), y_ptr, _lane(yrows, 2 % BM), ok2, cols, H)
+        _scaled_row(c3, m, _lane(wt, 3 % BM), y_ptr, _lane(yrows, 3 % BM), ok3, cols, H)
+
+
+@triton.jit
+def _scaled_row(c, m, w, y_ptr, yrow, ok, cols, H: tl.constexpr):
+    """y[yrow, cols] = sum_g(c) · m · w for group partials c [BN, G]."""
+    v = _row_sum(c) * m * w
+    tl.store(y_ptr + yrow.to(tl.int64) * H + cols, v.to(y_ptr.dtype.element_ty), mask=(cols < H) & (cols * 0 + ok > 0))
+
+
 @triton.jit
 def _routed_rows(pid_r, offs_ptr, tend_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
     """(expert, first sorted row, end of the expert's rows) of routed tile pid_r; expert == E: no such tile."""
@@ -195,7 +392,7 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr,
                    T, n_sh,
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr):
     """FC1 + SiLU·up of one row tile × BN intermediate columns: shared tiles first, then routed tiles."""
     pid_m = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -203,8 +400,11 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr,
     if HAS_SHARED:  # noqa: SIM102 (a constexpr guard: the shared path is not compiled without it)
         if (pid_m < n_sh) & (n0 < S):
             tok = pid_m * BM + m
-            _fc1_tile(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK,
-                      DOT_F32)
+            if GEMV:
+                _fc1_gemv(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK)
+            else:
+                _fc1_tile(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK,
+                          DOT_F32)
     if pid_m >= n_sh:
         e, p0, hi = _routed_rows(pid_m - n_sh, offs_ptr, tend_ptr, E, EP, BM)
         if (e < E) & (n0 < INTER):
@@ -212,8 +412,12 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr,
             valid = p < hi
             pair = tl.load(order_ptr + p, mask=valid, other=0)
             tok = (pair // TOPK).to(tl.int32)
-            _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H, INTER, FMT,
-                      BM, BN, BK, DOT_F32)
+            if GEMV:
+                _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
+                          INTER, FMT, BM, BN, BK)
+            else:
+                _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
+                          INTER, FMT, BM, BN, BK, DOT_F32)
 
 
 @triton.jit
@@ -221,7 +425,7 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd
                    y_ptr, T, n_sh,
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr):
     """FC2 × routing weight of one row tile × BN hidden columns into y [T, TOPK + HAS_SHARED, H]."""
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     pid_m = tl.program_id(0)
@@ -231,8 +435,12 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd
         if pid_m < n_sh:
             tok = pid_m * BM + m
             one = tl.full([BM], 1.0, tl.float32)
-            _fc2_tile(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
-                      SFMT, BM, BN, BK, DOT_F32)
+            if GEMV:
+                _fc2_gemv(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
+                          SFMT, BM, BN, BK)
+            else:
+                _fc2_tile(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
+                          SFMT, BM, BN, BK, DOT_F32)
     if pid_m >= n_sh:
         e, p0, hi = _routed_rows(pid_m - n_sh, offs_ptr, tend_ptr, E, EP, BM)
         if e < E:
@@ -241,8 +449,12 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd
             pair = tl.load(order_ptr + p, mask=valid, other=0).to(tl.int32)
             wt = tl.load(wts_ptr + pair, mask=valid, other=0.0)
             yrows = (pair // TOPK) * SLOTS + pair % TOPK
-            _fc2_tile(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H, FMT,
-                      BM, BN, BK, DOT_F32)
+            if GEMV:
+                _fc2_gemv(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
+                          FMT, BM, BN, BK)
+            else:
+                _fc2_tile(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
+                          FMT, BM, BN, BK, DOT_F32)
 
 
 @triton.jit
@@ -297,6 +509,7 @@ class Tiles:
     bt: int = 16  # combine: tokens × hidden columns per program
     bh: int = 256
     cwarps: int = 4
+    gemv: bool = False  # CUDA-core FMA tiles (bm <= 4 rows: weights decoded once per program, no MMA)
 
 
 def _divides(options: tuple[int, ...], *dims: int) -> int:
@@ -305,8 +518,15 @@ def _divides(options: tuple[int, ...], *dims: int) -> int:
 
 
 def _tile_options(lay: Layout, bucket: str, interp: bool) -> Tiles:
-    """Tiles for a layout and a token bucket ("small": few rows per expert, "large")."""
+    """Tiles for a layout and a token bucket (`BUCKETS`: "gemv1/2/4" FMA tiles of 1/2/4 rows, "small": few rows
+    per expert, "large")."""
     h, i, s = lay.hidden, lay.inter, lay.shared_inter
+    if bucket.startswith("gemv"):  # "gemv<rows per tile>"
+        bm = int(bucket[4:])
+        if interp:  # the same code on small tiles
+            return Tiles(bm, 16, 16, 32, 4, 1, 16, _divides((64, 32), h), 4, gemv=True)
+        return Tiles(bm, 16, 16, _divides((128, 64, 32), h, i, s), 4, 1, 16, _divides((256, 128, 64, 32), h), 4,
+                     gemv=True)
     if interp:
         return Tiles(32, _divides((32, 16), i, s), _divides((64, 32, 16), h), _divides((64, 32), h, i, s), 4, 1,
                      16, _divides((64, 32), h), 4)
@@ -319,8 +539,19 @@ def _tile_options(lay: Layout, bucket: str, interp: bool) -> Tiles:
     return Tiles(128, _divides((64, 32, 16), i, s), _divides((128, 64, 32, 16), h), bk, 8, 3, 16, bh, 4)
 
 
+GEMV_MAX_TOKENS = 4
+"""Batches of at most this many tokens run the GEMV tiles with one row per tile ("gemv1"); larger ones the
+tensor-core tiles. Measured on the H200 (m3.1-small, bf16, CUDA graphs, benchmarks/RESULTS.md): T = 1
+172 µs vs 229 µs for the "small" tiles, T = 4 516 vs 568 µs; tiles of 2 or 4 rows lost to 1-row tiles at
+T = 4 (598 / 818 µs), and at T = 16 the tensor-core tiles win."""
+BUCKETS = ("gemv1", "small", "large")
+"""Token buckets the dispatch uses (``_tile_options`` also takes "gemv2" / "gemv4": FMA tiles of 2 / 4 rows)."""
+
+
 def _bucket(lay: Layout, t: int) -> str:
     """Token bucket of a batch of t tokens (a host-side size: no synchronization)."""
+    if t <= GEMV_MAX_TOKENS:
+        return "gemv1"
     return "small" if t * lay.top_k <= 96 * lay.experts else "large"
 
 
@@ -339,7 +570,7 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> tuple[KernelSpec, ...]:
     sfmt = lay.shared_fmt if has_sh else None
     common = dict(H=lay.hidden, INTER=lay.inter, S=lay.shared_inter if has_sh else 0, TOPK=lay.top_k, E=lay.experts,
                   EP=triton.next_power_of_2(lay.experts), FMT=FMT_CODES[lay.w13_fmt],
-                  SFMT=FMT_CODES[sfmt] if sfmt else 0, HAS_SHARED=has_sh, BM=tiles.bm, BK=tiles.bk, DOT_F32=dot_f32)
+                  SFMT=FMT_CODES[sfmt] if sfmt else 0, HAS_SHARED=has_sh, BM=tiles.bm, BK=tiles.bk, DOT_F32=dot_f32, GEMV=tiles.gemv)
     w = {"wd_ptr": _ptr(lay.w13_fmt, True), "ws_ptr": _ptr(lay.w13_fmt, False), "wg_ptr": "*fp32",
          "sd_ptr": _ptr(sfmt, True), "ss_ptr": _ptr(sfmt, False)}
     t1 = {"x_ptr": act, "order_ptr": "*i64", "offs_ptr": "*i32", "tend_ptr": "*i32", **w, "act_ptr": act,
@@ -350,9 +581,9 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> tuple[KernelSpec, ...]:
     aligned = ("x_ptr", "act_ptr", "sact_ptr", "y_ptr", "wd_ptr", "ws_ptr", "sd_ptr", "ss_ptr", "out_ptr")
     return (
         KernelSpec("moe_prefill_fc1", moe_fc1_kernel, t1, common | {"BN": tiles.bn1}, tiles.warps, tiles.stages,
-                   tuple(a for a in aligned if a in t1)),
+                   tuple(a for a in aligned if a in t1), enable_fp_fusion=tiles.gemv),
         KernelSpec("moe_prefill_fc2", moe_fc2_kernel, t2, common | {"BN": tiles.bn2}, tiles.warps, tiles.stages,
-                   tuple(a for a in aligned if a in t2)),
+                   tuple(a for a in aligned if a in t2), enable_fp_fusion=tiles.gemv),
         KernelSpec("moe_prefill_combine", moe_combine_kernel, t3,
                    dict(H=lay.hidden, TOPK=lay.top_k, E=lay.experts, HAS_SHARED=has_sh, BT=tiles.bt, BH=tiles.bh),
                    tiles.cwarps, 1, tuple(a for a in aligned if a in t3)),
@@ -386,7 +617,7 @@ def moe_prefill_specs(hidden: int, inter: int, experts: int, top_k: int, shared_
         raise ShapeError(f"moe_prefill cannot take this layout: {why}")
     lay = Layout(hidden, inter, experts, top_k, shared_inter if shared_fmt else 0, act_dtype, w13_fmt, shared_fmt)
     out: dict[str, KernelSpec] = {}
-    for bucket in ("small", "large"):
+    for bucket in BUCKETS:
         for s in _specs(lay, _tile_options(lay, bucket, False), upcast=False):
             out.setdefault(s.key(), s)
     return list(out.values())

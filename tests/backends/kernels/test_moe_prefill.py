@@ -146,6 +146,38 @@ def test_matches_reference(case: str, rng: torch.Generator) -> None:
     _check(got.cpu(), ref, act)
 
 
+GEMV_CASES = {
+    # id: (T, H, I, E, k, S, routed fmt, shared fmt, act)
+    "nvfp4-mxfp8sh-f32": (4, 256, 64, 8, 2, 64, "nvfp4", "mxfp8", torch.float32),
+    "nvfp4-bf16sh-bf16": (3, 128, 64, 8, 3, 32, "nvfp4", "bf16", torch.bfloat16),
+    "mxfp8-noshared-f32": (2, 128, 64, 4, 2, 0, "mxfp8", None, torch.float32),
+    "bf16-mxfp8sh-f32": (1, 128, 32, 8, 2, 32, "bf16", "mxfp8", torch.float32),
+}
+
+
+@pytest.mark.parametrize("bucket", ["gemv1", "gemv2", "gemv4"])
+@pytest.mark.parametrize("case", list(GEMV_CASES))
+def test_gemv_tiles_match_reference(case: str, bucket: str, rng: torch.Generator) -> None:
+    """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, in every weight format: experts holding more rows than a
+    tile, tiles with fewer rows than their size, and the shared expert's partial last tile all match."""
+    t, h, inter, e, k, s, fmt, sfmt, act = GEMV_CASES[case]
+    mp = _mp()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, fmt, sfmt, rng)
+    ids[:, 0] = ids[0, 0]  # one expert takes every token: more rows than a gemv1 / gemv2 tile holds
+    ids[:, 1:] = torch.where(ids[:, 1:] == ids[0, 0], (ids[0, 0] + 1) % e, ids[:, 1:])
+    x = x.to(act).float()
+    ref = _reference(x, ids, wts, w13, w2, sh13, sh2, fmt, sfmt)
+    x, ids, wts, w13, w2, sh13, sh2 = (_to(v, dev) for v in (x, ids, wts, w13, w2, sh13, sh2))
+    xa = x.to(act)
+    lay = mp._layout(xa, ids, wts, w13, w2, sh13, sh2)
+    tiles = mp._tile_options(lay, bucket, mp.interpreting())
+    assert tiles.gemv and tiles.bm == int(bucket[4:])
+    out = torch.full_like(xa, float("nan"))
+    mp._launch(xa, ids, wts, w13, w2, sh13, sh2, lay, tiles, mp.jit_run, out)
+    _check(out.cpu(), ref, act)
+
+
 def test_tiny_batch_invalid_ids_and_determinism(rng: torch.Generator) -> None:
     """T = 1 and 3, an id outside [0, E) contributes nothing, and repeated runs are bit-identical."""
     mp = _mp()
@@ -199,7 +231,7 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
     specs = mp.moe_prefill_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")
     listed = {sp.key() for sp in specs}
     w13, w2, sh13, sh2 = meta_weights(e, h, inter, s)
-    for t in (1, 65, 512, 4096, 16384):
+    for t in (1, 4, 5, 65, 512, 4096, 16384):
         seen: list = []
         x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
         ids = torch.empty(t, k, dtype=torch.int64, device="meta")
@@ -208,11 +240,15 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
         assert len(seen) == 3 and {sp.key() for sp, _, _ in seen} <= listed, t
         for sp, _, args in seen:
             assert len(args) == len(sp.arg_types), sp.family
+    # the T >= 4096 bucket (the small one differs only in tile sizes) and the GEMV tiles (T <= 4)
     large = [sp for sp in specs if sp.constexprs.get("BM", 0) == 128 or sp.family == "moe_prefill_combine"]
-    built = compile_kernels(large)  # the T >= 4096 bucket (the small one differs only in tile sizes)
-    assert sorted(b.name for b in built) == ["moe_combine_kernel", "moe_fc1_kernel", "moe_fc2_kernel"]
-    for b in built:
-        assert (b.binary and "wgmma.mma_async" in b.stages["ptx"]) or b.name == "moe_combine_kernel", b.name
+    gemv = [sp for sp in specs if sp.constexprs.get("GEMV")]
+    assert len(gemv) == 2 and all(sp.enable_fp_fusion for sp in gemv)
+    built = compile_kernels(large + gemv)
+    assert sorted(b.name for b in built) == sorted(["moe_combine_kernel"] + ["moe_fc1_kernel", "moe_fc2_kernel"] * 2)
+    for b, sp in zip(built, large + gemv):
+        if b.name != "moe_combine_kernel":  # tensor-core tiles use wgmma; the GEMV tiles no MMA at all
+            assert b.binary and ("wgmma.mma_async" in b.stages["ptx"]) != bool(sp.constexprs["GEMV"]), b.name
         spills = _ptxas_spills(b.stages["ptx"])
         assert spills in (None, 0), f"{b.name} spills {spills} bytes"
 
@@ -246,7 +282,7 @@ def _ptxas_spills(ptx: str) -> int | None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [512, 4096])
+@pytest.mark.parametrize("t", [1, 4, 512, 4096])
 @pytest.mark.parametrize("skew", [False, True], ids=["uniform", "skewed"])
 def test_m31_small_gpu(t: int, skew: bool, rng: torch.Generator) -> None:
     """bf16 activations at m3.1-small shapes against a float64 reference on the GPU."""
