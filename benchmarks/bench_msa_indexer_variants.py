@@ -2,7 +2,9 @@
 
 m3.1-small layout: 1 index head, D = 128, block 128, top-16, NVFP4 index keys, bf16 index q.
 Decode: contexts 32K / 128K / 512K / 1M tokens × batch 1 and 8, 1 query row per request, each
-``deq`` path of :func:`m3c.backends.kernels.msa_indexer.msa_indexer` ("f32scale", "groupdot", "fp8").
+``deq`` path of :func:`m3c.backends.kernels.msa_indexer.msa_indexer` (``DEQ_MODES``: "f32scale",
+"groupdot", "fp8", "fma"; ``--fma-keys`` / ``--fma-warps`` / ``--fma-rows`` override the "fma" path's
+FMA_KEYS / FMA_WARPS / FMA_ROWS for tuning, recorded in its rows).
 Prefill: a 4K-row chunk (the last 4,096 positions) at 128K and 1M tokens (always the "f32scale" tile).
 Each point reports the CUDA-graph replay time (µs, median), the floor (decode: 72 B/token of index keys
 at 4.28 TB/s; prefill: 2·T·ctx·D FLOPs at 750 TFLOP/s bf16) and its % of the floor, dense SDPA over a
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 import triton.testing
 from _timing import bench_graph, write_results
 
+from m3c.backends.kernels import msa_indexer as mi
 from m3c.backends.kernels.msa_indexer import DEQ_MODES, _topk_ch, _topk_spec, msa_indexer
 from m3c.backends.triton_aot import jit_run
 from m3c.model_defs import ops as mops
@@ -98,7 +101,8 @@ def run_decode(ctx: int, batch: int, max_q_rows: int) -> list[dict]:
         ent, full = agreement(sel[:1], ref_sel)
         ms = bench_graph(fn)
         topk_ms = time_topk(scores, pos, sel)
-        row = {"phase": "decode", "context": ctx, "batch": batch, "deq": deq, "max_q_rows": max_q_rows,
+        tune = {"fma_keys": mi.FMA_KEYS, "fma_warps": mi.FMA_WARPS, "fma_rows": mi.FMA_ROWS} if deq == "fma" else {}
+        row = {"phase": "decode", "context": ctx, "batch": batch, "deq": deq, "max_q_rows": max_q_rows, **tune,
                "us": ms * 1e3, "topk_us": topk_ms * 1e3,
                "floor_us": floor_ms * 1e3, "pct_of_floor": 100 * floor_ms / ms, "sdpa_dense_us": sdpa * 1e3,
                "x_dense": sdpa / ms, "sel_entries_equal": ent, "sel_rows_equal": full,
@@ -148,7 +152,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="32K and 1M decode at batch 1, prefill at 128K only")
     ap.add_argument("--max-q-rows", type=int, default=1, help="decode row tile (1: plain decode; 8: spec. decoding)")
+    ap.add_argument("--fma-keys", type=int, default=mi.FMA_KEYS, help='"fma": keys per step (a power of two)')
+    ap.add_argument("--fma-warps", type=int, default=mi.FMA_WARPS, help='"fma": warps per program')
+    ap.add_argument("--fma-rows", type=int, default=mi.FMA_ROWS, help='"fma": query rows per tile (at most)')
     args = ap.parse_args()
+    mi.FMA_KEYS, mi.FMA_WARPS, mi.FMA_ROWS = args.fma_keys, args.fma_warps, args.fma_rows  # read by the spec builder
     ctxs = (32768, 1 << 20) if args.quick else (32768, 131072, 524288, 1 << 20)
     batches = (1,) if args.quick else (1, 8)
     rows: list[dict] = []

@@ -14,23 +14,24 @@ fixed grids for a given (T, R, max_blocks).
 Kernel 1 ``indexer_scores_kernel``, grid (row tile, chunk of ``chunk_blocks`` blocks), tile fastest,
 so the CTAs running at once share a chunk and its keys come from L2. A request's
 block range is split into chunks so one long context (8,192 blocks = 1M tokens at block 128) spreads
-over all SMs. Decode: a program per request, its rows (<= ROWS = max_q_rows rows × G heads) the MMA's
-M tile (more rows loop over tiles, keys re-read per tile). Prefill: a program per tile of
-``PREFILL_M // G`` consecutive rows of ONE request (128 rows × 1 head on M3.1's TP4 slice); the grid is
-fixed by shapes, ``(T + R·(ROWS-1)) // ROWS`` tiles (>= sum_r ceil(rows_r / ROWS)); each program finds
-its (request, first row) by a prefix sum over ``query_start_loc`` in registers, spare ones write
-nothing. Rows are causal one by one (own positions; blocks past the tile's last position get -inf
-without touching keys). Per step a program loads NBT whole blocks (>= 64 keys) through the block table
-(packed E2M1 bytes + E4M3 scale bytes) and dequantizes in registers, exactly, even columns (low nibbles)
-and odd columns (high nibbles) apart so no nibble interleave is needed. Decode dequant paths (the DEQ
-constexpr, ``deq=``; prefill always uses "f32scale"):
+over all SMs. Decode: a program per request, its rows (<= ROWS = max_q_rows rows × G heads; "fma":
+min(max_q_rows, FMA_ROWS) rows) the MMA's M tile (more rows loop over tiles, keys re-read per tile).
+Prefill: a program per tile of ``PREFILL_M // G`` consecutive rows of ONE request (128 rows × 1 head on
+M3.1's TP4 slice); the grid is fixed by shapes, ``(T + R·(ROWS-1)) // ROWS`` tiles (>= sum_r
+ceil(rows_r / ROWS)); each program finds its (request, first row) by a prefix sum over
+``query_start_loc`` in registers, spare ones write nothing. Rows are causal one by one (own positions;
+blocks past the tile's last position get -inf without touching keys). Per step a program loads NBT
+whole blocks (>= 64 keys; "fma": FMA_KEYS keys) through the block table (packed E2M1 bytes + E4M3 scale
+bytes) and dequantizes in registers, exactly, even columns (low nibbles) and odd columns (high nibbles)
+apart so no nibble interleave is needed. Decode dequant paths (the DEQ constexpr, ``deq=``; prefill
+always uses "f32scale"):
 
 - "f32scale": a nibble's bits placed into a float32 (3 integer ops; E2M1 e = 0 lands on
   subnormals, so every code reads as value × 2^-126), times its scale decoded as scale × 2^119 (one
   multiply per key value, the [KEYS, D/16] scales broadcast over their 16 values), converted to bf16
   (exact: <= 6 significant bits) for two [M, KEYS] dots (q_even·k_lo + q_odd·k_hi), M = max(16,
   ROWS·G); the keys' 2^-7 is undone on the scores (a power of two). ~6–7 instructions per key value.
-- "groupdot" (the default, DEFAULT_DEQ: fastest exact path measured): keys stay UNSCALED (E2M1 values, exact in bf16) and are the MMA's M dim (KEYS = 128:
+- "groupdot" (the default until "fma" measured faster): keys stay UNSCALED (E2M1 values, exact in bf16) and are the MMA's M dim (KEYS = 128:
   wgmma, A from registers); q is laid out block-diagonally, [D/2, (D/16)·M] (column h·M + m holds row
   m's q on group h's rows; M = max(ROWS·G, 16·16/D, 2)), so one dot pair yields every NVFP4 group's
   partial score [KEYS, (D/16)·M]; the group scales multiply those partials (KEYS·M·D/16 multiplies
@@ -48,6 +49,19 @@ constexpr, ``deq=``; prefill always uses "f32scale"):
   significant bits, so scores differ from the reference by up to ~2^-5 relative and selections may
   differ (the benchmark measures how often). Exact when q already lies on the E4M3 grid after its
   power-of-two scale (and the FP8 MMA accumulates exactly).
+- "fma": no MMA at all: CUDA-core FMAs, the decode tile's (row, head) pairs one by one (at most
+  FMA_ROWS rows × G; a one-row tile skips the spare pairs) on each decoded step of FMA_KEYS keys. A
+  step loads the codes as [KEYS, D/16, 2] int32 words (8 bytes a thread: one scale group's 16 values;
+  nibble k of word h is element 8h + k) and the scales as [KEYS, D/16]. Nibble k moved to bits 28..31,
+  shifted arithmetically by 6 and masked is e2m1_tiny's float (value × 2^-126, exact; 3 integer ops, 2
+  for k = 7); a scale byte likewise reads as value × 2^-120, times 2^120 its plain value. Each pair's q
+  is scaled once by 2^S (integer arithmetic on its max exponent: max|q·2^S| in [2^119, 2^120)) so
+  nibble × q' products are normal (all but elements below 2^-117 of the row max); per pair and group a
+  chain of 16 FMAs (in-thread) gives the partial, times the group scale, summed over groups, times
+  2^(126 - S) (two exact power-of-two multiplies) gives the score. The only roundings are the float32
+  accumulations. Per key value: 2.875 integer ops + 1 FMA per pair + ~1.4 of per-group and per-key work
+  (scales, group sum, pooling, addresses): ~5.2 SASS instructions at one pair (sm_90, D = 128, 64 keys,
+  4 warps, 54 registers), ~1.5 more per further pair (registers: FMA_ROWS).
 The inline PTX runs only on a GPU: the interpreter checks each path's algebra with the same values in
 float32, and the tests check the bit formulas of the PTX on every byte in torch.
 
@@ -92,12 +106,22 @@ from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
-DEQ_MODES = ("f32scale", "groupdot", "fp8")
+DEQ_MODES = ("f32scale", "groupdot", "fp8", "fma")
 """Decode dequant paths (the ``DEQ`` constexpr is the index): see the module docstring."""
-DEFAULT_DEQ = "groupdot"
-"""The decode dequant path by default: exact like "f32scale" and faster on the H200 (106 vs 127 µs at 1M
-tokens, batch 1, benchmarks/RESULTS.md); "fp8" was faster still (89 µs) but its lossy query rounding
-changed 87.5% of the selected blocks at 32K, so it is not a default."""
+DEFAULT_DEQ = "fma"
+"""The decode dequant path by default: exact like "f32scale" / "groupdot" and the fastest on the H200 (1M
+tokens, batch 1: 66 µs vs 107 "groupdot", 128 "f32scale", 89 "fp8"; 32K: 12.1 vs 13.3 µs; selections
+equal the reference's; benchmarks/RESULTS.md). "fp8" is lossy (its query rounding changed 87.5% of the
+selected blocks at 32K), so it is never a default."""
+
+FMA_KEYS = 64
+"""Keys per step of the "fma" path (a power of two; below the block size a block takes several steps)."""
+FMA_WARPS = 4
+"""Warps of the "fma" path's programs."""
+FMA_ROWS = 2
+"""Query rows per tile of the "fma" path (at most; more rows loop over tiles, keys re-read per tile). The
+tile's rows × G (row, head) pairs share each decoded key step but hold their q in registers, and a kernel
+holds the registers of its largest tile (sm_90, D = 128, G = 1: 54 at 1 row, 96 at 2, 168 at 4, 255 at 8)."""
 
 PREFILL_M = 128
 """Prefill M tile: ``max(1, PREFILL_M // G)`` query rows × G index heads per program."""
@@ -172,21 +196,258 @@ def _block_diag(qh, HD: tl.constexpr, NG: tl.constexpr, M: tl.constexpr):
 
 
 @triton.jit
+def _nan_max(a, b):
+    """max(a, b), NaN if either is NaN (as torch.amax)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _block_max(acc, vis, M: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr):
+    """[M, NB*BL] scores -> [M, NB] maxima over runs of BL keys: invisible keys -inf, NaN if a visible one is NaN."""
+    s = tl.where(vis, acc, float("-inf"))
+    is_nan = s != s
+    best = tl.max(tl.reshape(tl.where(is_nan, float("-inf"), s), [M, NB, BL]), axis=2)
+    any_nan = tl.max(tl.reshape(is_nan.to(tl.int32), [M, NB, BL]), axis=2)
+    return tl.where(any_nan > 0, float("nan"), best)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as float32 for int32 e in [-126, 127] (a normal power of two, exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _slices8(x):
+    """x[..., 0], ..., x[..., 7] of x [A, B, 8] as a tuple (in-thread registers: no data movement)."""
+    a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 4, 2]))  # even, odd k
+    a0, a1 = tl.split(tl.reshape(a, [x.shape[0], x.shape[1], 2, 2]))  # k = 0, 4 / 2, 6
+    b0, b1 = tl.split(tl.reshape(b, [x.shape[0], x.shape[1], 2, 2]))  # k = 1, 5 / 3, 7
+    k0, k4 = tl.split(a0)
+    k2, k6 = tl.split(a1)
+    k1, k5 = tl.split(b0)
+    k3, k7 = tl.split(b1)
+    return k0, k1, k2, k3, k4, k5, k6, k7
+
+
+@triton.jit
+def _nibble_tiny(w, K: tl.constexpr):
+    """Nibble K (0..7) of int32 words w as float32 value × 2^-126, exactly (e2m1_tiny's bits), in 3 ops (2 for K = 7).
+
+    Moved to bits 28..31, an arithmetic shift by 6 puts (e1 e0 m) on bits 22..24 and keeps the sign on bit 31.
+    """
+    if K < 7:
+        w = w << (28 - 4 * K)
+    return ((w >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000
+
+
+@triton.jit
+def _e4m3_value(b):
+    """E4M3 bytes (int32, 0..255) -> float32 values, exactly (NaN for 0x7F / 0xFF), in ~6 ops.
+
+    Moved to bits 24..31, an arithmetic shift by 4 puts (e, m) on the float's exponent LSBs and mantissa MSBs
+    and keeps the sign: value × 2^-120 (e = 0 lands on subnormals, as in E4M3), times 2^120 the value (normal).
+    """
+    tiny = (((b << 24) >> 4) & -2014314496).to(tl.float32, bitcast=True)  # 0x87F00000
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), tiny * _TWO_120)
+
+
+@triton.jit
+def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
+              G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr,
+              R: tl.constexpr):
+    """The "fma" decode path: block-max scores of R = rows × G (row, head) pairs, one by one, over blocks
+    [c_lo, vis_hi); steps of FK keys (NBT whole blocks, or a part of one) decoded once for all pairs.
+
+    Pair i = (token t0 + i // G, head i % G); pairs past t_hi compute on token t0 and store nothing.
+    """
+    NG: tl.constexpr = D // 16
+    BL: tl.constexpr = FK if FK < BS else BS  # keys of one block in a step
+    SUB: tl.constexpr = BS // BL  # steps per block (> 1: running maxima per pair)
+    kw_ptr = kd_ptr.to(tl.pointer_type(tl.int32))  # a key's D/2 code bytes as D/8 little-endian words
+    g = tl.arange(0, NG)
+    kk = tl.arange(0, FK)
+    nb = tl.arange(0, NBT)
+    q_off = g[:, None] * 16 + tl.arange(0, 8)[None, :]
+    w_off = g[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    # per pair: (q' as 16 [1, NG] slices (element e of every group), 2^(126 - S) as two factors, position,
+    # validity, score row)
+    pairs = ()
+    for i in tl.static_range(R):
+        valid = t0 + i // G < t_hi
+        tok = tl.where(valid, t0 + i // G, t0).to(tl.int64)
+        q_row = q_ptr + tok * stride_qt + (i % G) * stride_qg
+        q_a = tl.load(q_row + q_off).to(tl.float32)  # elements 0..7 of each group
+        q_b = tl.load(q_row + q_off + 8).to(tl.float32)  # elements 8..15
+        amax = tl.maximum(tl.max(tl.abs(q_a)), tl.max(tl.abs(q_b)))
+        # Biased exponent ef of max|q| (clamped: 1 for zero / subnormal rows, 254 for inf / NaN). S = 246 - ef
+        # puts max|q · 2^S| in [2^119, 2^120), so a nonzero key nibble (>= 2^-127 as decoded) times q' is normal
+        # for every |q| >= 2^-117 max|q|. Bounds: |nibble · q'| < 6 · 2^-126 · 2^120 = 6 · 2^-6, a group's 16
+        # products < 1.5, times |scale| <= 448: < 672, summed over D/16 groups: < 42 · D (no overflow).
+        ef = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, 1), 254)
+        sh = 246 - ef  # S in [-8, 245]: q · 2^S = q · 2^s1 · 2^(S - s1), exact (q' normal or zero)
+        s1 = tl.minimum(sh, 127)
+        up1 = _pow2(s1)
+        up2 = _pow2(sh - s1)
+        dn = tl.minimum(ef - 120, 127)  # 2^(126 - S) = 2^(ef - 120) = 2^dn · 2^(ef - 120 - dn), dn >= -119
+        pair = (_slices8((q_a * up1 * up2)[None, :, :]) + _slices8((q_b * up1 * up2)[None, :, :]), _pow2(dn),
+                _pow2(ef - 120 - dn), tl.where(valid, tl.load(pos_ptr + tok).to(tl.int32), -1), valid,
+                out_ptr + (tok * G + i % G) * MB)
+        pairs = pairs + (pair,)  # noqa: RUF005 (Triton's compiler has no starred tuples)
+    for b0 in range(c_lo, vis_hi, NBT):
+        bests = ()  # per pair: [FK] scores (masked: -inf), maxima over the block's steps so far
+        for u in tl.static_range(SUB):
+            blk = b0 + kk // BL  # request-relative block of each key
+            kpos = u * BL + kk % BL  # the key's slot in its block
+            ok = blk < vis_hi
+            if NBT == 1:  # (part of) one block: scalar base address, unmasked loads
+                slot = tl.load(bt_row + b0).to(tl.int64) * BS + kpos
+                words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off)
+                sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :])
+            else:
+                slot = tl.load(bt_row + blk, mask=ok, other=0).to(tl.int64) * BS + kpos
+                words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off, mask=ok[:, None, None], other=0)
+                sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :], mask=ok[:, None], other=0)
+            # word h of a group holds its elements 8h..8h+7, element 8h + k in nibble k (byte k // 2, low
+            # nibble first): decoded once for all pairs, value × 2^-126, as 16 [FK, NG] slices
+            w0, w1 = tl.split(words)
+            vals = ()
+            for k in tl.static_range(8):
+                vals = vals + (_nibble_tiny(w0, k),)  # noqa: RUF005 (Triton's compiler has no starred tuples)
+            for k in tl.static_range(8):
+                vals = vals + (_nibble_tiny(w1, k),)  # noqa: RUF005
+            scale = _e4m3_value(sbyte.to(tl.int32))  # the plain value (<= 448): see the bounds above
+            key_pos = blk * BS + kpos
+            step = ()
+            for i in tl.static_range(R):
+                qs, d1, d2, pos, _, _ = pairs[i]
+                part = vals[0] * qs[0]
+                for k in tl.static_range(1, 16):  # one FMA per key value
+                    part = tl.fma(vals[k], qs[k], part)
+                acc = tl.sum(part * scale, axis=1) * d1 * d2
+                acc = tl.where((key_pos <= pos) & ok, acc, float("-inf"))
+                if u > 0:  # later parts of the same block: key by key, one pooling per block
+                    acc = _nan_max(bests[i], acc)
+                step = step + (acc,)  # noqa: RUF005 (Triton's compiler has no starred tuples)
+            bests = step
+        cols = b0 + nb
+        for i in tl.static_range(R):
+            _, _, _, _, valid, out_row = pairs[i]
+            best = tl.reshape(_block_max(bests[i][None, :], True, 1, NBT, BL), [NBT])
+            lim = tl.where(valid, vis_hi, 0)  # (a scalar bool in a store mask trips the interpreter)
+            tl.store(out_row + cols, best, mask=cols < lim)
+
+
+@triton.jit
+def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok, mg, qpos, row_ok, c_lo, vis_hi,
+              G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, M: tl.constexpr,
+              DEQ: tl.constexpr, UPCAST: tl.constexpr):
+    """The MMA paths ("f32scale", "groupdot", "fp8"; prefill): block-max scores of the M-row tile over blocks
+    [c_lo, vis_hi), NBT whole blocks a step."""
+    KEYS: tl.constexpr = NBT * BS
+    HD: tl.constexpr = D // 2
+    NG: tl.constexpr = D // 16
+    hc = tl.arange(0, HD)
+    sc_cols = tl.arange(0, D // 16)
+    j = tl.arange(0, KEYS)
+    jb = j // BS
+    nb = tl.arange(0, NBT)
+    q_off = tok * stride_qt + mg * stride_qg
+    q_even = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :], mask=row_ok[:, None], other=0.0)
+    q_odd = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :] + 1, mask=row_ok[:, None], other=0.0)
+    if UPCAST:  # Triton's CPU interpreter mis-multiplies bf16 dots; f32 gives the same exact products
+        q_even = q_even.to(tl.float32)
+        q_odd = q_odd.to(tl.float32)
+    if DEQ == 2:  # FP8 q: a power-of-two scale per (row, head) puts the row max in [128, 256)
+        amax = tl.maximum(tl.max(tl.abs(q_even.to(tl.float32)), axis=1), tl.max(tl.abs(q_odd.to(tl.float32)), axis=1))
+        ef = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 8), 254)
+        q_up = ((261 - ef) << 23).to(tl.float32, bitcast=True)  # 2^(7 - E), E = ef - 127
+        q_down = ((ef - 7) << 23).to(tl.float32, bitcast=True)  # 2^(E - 7)
+        q_even = _round_e4m3(q_even.to(tl.float32) * q_up[:, None])
+        q_odd = _round_e4m3(q_odd.to(tl.float32) * q_up[:, None])
+    if DEQ != 0:  # block-diagonal q: one dot gives every scale group's partial score separately
+        q_even = _block_diag(q_even, HD, NG, M)
+        q_odd = _block_diag(q_odd, HD, NG, M)
+    if DEQ == 2 and not UPCAST:
+        q_even = q_even.to(tl.float8e4nv)  # exact: already on the E4M3 grid
+        q_odd = q_odd.to(tl.float8e4nv)
+    for b0 in range(c_lo, vis_hi, NBT):
+        blk = b0 + jb  # request-relative block of each key row
+        ok = blk < vis_hi
+        if NBT == 1:  # one whole block: scalar base address, unmasked loads
+            phys = tl.load(bt_row + b0).to(tl.int64)
+            codes = tl.load(kd_ptr + phys * (BS * HD) + (j[:, None] * HD + hc[None, :]))
+            sbyte = tl.load(ks_ptr + phys * (BS * D // 16) + (j[:, None] * (D // 16) + sc_cols[None, :]))
+        else:
+            phys = tl.load(bt_row + blk, mask=ok, other=0).to(tl.int64)
+            slot = phys * BS + j % BS
+            codes = tl.load(kd_ptr + slot[:, None] * HD + hc[None, :], mask=ok[:, None], other=0)
+            sbyte = tl.load(ks_ptr + slot[:, None] * (D // 16) + sc_cols[None, :], mask=ok[:, None], other=0)
+        if DEQ == 0:  # scale every key value in float32, then two [M, KEYS] dots
+            codes = codes.to(tl.int32)
+            scale = e4m3_big(sbyte.to(tl.int32))
+            k_lo = _dequant_half(codes, scale, 0, KEYS, D)
+            k_hi = _dequant_half(codes, scale, 4, KEYS, D)
+            if q_even.dtype == tl.float32:
+                acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
+                acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
+            else:  # e2m1 × e4m3 has <= 6 significant bits: exact in bf16 / fp16
+                acc = tl.dot(q_even, tl.trans(k_lo.to(q_even.dtype)))
+                acc = tl.dot(q_odd, tl.trans(k_hi.to(q_odd.dtype)), acc)
+            acc = acc * 128.0  # undo the keys' 2^-7 (a power of two: the sums round as unscaled ones)
+        else:  # unscaled keys as the MMA M dim; the group scales multiply the [KEYS, NG*M] partials
+            if DEQ == 1:
+                scale = _e4m3_pow2(sbyte.to(tl.int32), 0)
+                if q_even.dtype == tl.float32:  # interpreter / float32 q: the E2M1 values in float32
+                    ci = codes.to(tl.int32)
+                    k_lo = e2m1_tiny(ci, 0) * _TWO_126
+                    k_hi = e2m1_tiny(ci, 4) * _TWO_126
+                else:  # bf16 straight from the packed bytes (exact), ~2 instructions per value
+                    k_lo = tl.inline_asm_elementwise(_ASM_BF16_LO, "=r,=r,r", [codes], dtype=tl.bfloat16,
+                                                     is_pure=True, pack=4)
+                    k_hi = tl.inline_asm_elementwise(_ASM_BF16_HI, "=r,=r,r", [codes], dtype=tl.bfloat16,
+                                                     is_pure=True, pack=4)
+            else:
+                if UPCAST:  # the interpreter cannot run PTX: the same values (E2M1 × 2^-6) in float32
+                    ci = codes.to(tl.int32)
+                    k_lo = e2m1_tiny(ci, 0) * _TWO_120
+                    k_hi = e2m1_tiny(ci, 4) * _TWO_120
+                else:  # E2M1 -> E4M3 bit shuffle, four packed keys per 2 integer ops
+                    k_lo = tl.inline_asm_elementwise(_ASM_LO, "=r,r", [codes], dtype=tl.uint8, is_pure=True,
+                                                     pack=4).to(tl.float8e4nv, bitcast=True)
+                    k_hi = tl.inline_asm_elementwise(_ASM_HI, "=r,r", [codes], dtype=tl.uint8, is_pure=True,
+                                                     pack=4).to(tl.float8e4nv, bitcast=True)
+                scale = _e4m3_pow2(sbyte.to(tl.int32), 6)  # undoes the keys' 2^-6
+            if k_lo.dtype == tl.float32:
+                part = tl.dot(k_lo, q_even, input_precision="ieee")
+                part = tl.dot(k_hi, q_odd, part, input_precision="ieee")
+            else:
+                part = tl.dot(k_lo, q_even)
+                part = tl.dot(k_hi, q_odd, part)
+            part = tl.reshape(part, [KEYS, NG, M]) * scale[:, :, None]
+            acc = tl.trans(tl.sum(part, axis=1))
+            if DEQ == 2:
+                acc = acc * q_down[:, None]
+        key_pos = blk * BS + j % BS
+        best = _block_max(acc, (key_pos[None, :] <= qpos[:, None]) & ok[None, :], M, NBT, BS)
+        cols = b0 + nb
+        tl.store(out_row[:, None] + cols[None, :], best, mask=row_ok[:, None] & (cols < vis_hi)[None, :])
+
+
+@triton.jit
 def indexer_scores_kernel(
     q_ptr, kd_ptr, ks_ptr, pos_ptr, qsl_ptr, seq_ptr, bt_ptr, out_ptr,
     stride_qt, stride_qg, stride_bt, MB, NR, chunk_blocks,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, ROWS: tl.constexpr,
     M: tl.constexpr, FILL: tl.constexpr, PREFILL: tl.constexpr, RB: tl.constexpr, DEQ: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FK: tl.constexpr,
 ):
     """Block-max index scores of one (row tile, block chunk): out[t, g, b] float32 for the tile's rows t.
 
     PREFILL=False: program_id(0) is a request, whose rows are walked ROWS at a time (decode: one tile).
     PREFILL=True: program_id(0) is one ROWS-row tile of one request (found by ``prefill_tile``).
+    FK: keys per step of the "fma" path (DEQ == 3).
     """
-    KEYS: tl.constexpr = NBT * BS
-    HD: tl.constexpr = D // 2
-    NG: tl.constexpr = D // 16
     pid = tl.program_id(0)
     if PREFILL:
         r, t_lo, t_end = prefill_tile(pid, qsl_ptr, NR, ROWS, RB)
@@ -199,108 +460,29 @@ def indexer_scores_kernel(
     c_lo = tl.program_id(1) * chunk_blocks
     c_hi = tl.minimum(c_lo + chunk_blocks, MB)
     n_blk = tl.cdiv(tl.load(seq_ptr + r), BS)
+    bt_row = bt_ptr + r * stride_bt
     m = tl.arange(0, M)
     mt = m // G
     mg = m % G
-    hc = tl.arange(0, HD)
-    sc_cols = tl.arange(0, D // 16)
-    j = tl.arange(0, KEYS)
-    jb = j // BS
-    nb = tl.arange(0, NBT)
     nf = tl.arange(0, FILL)
     for t0 in range(t_lo, t_hi, ROWS):
         row_ok = (mt < ROWS) & (t0 + mt < t_hi)
         tok = tl.where(row_ok, t0 + mt, t0).to(tl.int64)
         qpos = tl.where(row_ok, tl.load(pos_ptr + tok).to(tl.int32), -1)
-        q_off = tok * stride_qt + mg * stride_qg
-        q_even = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :], mask=row_ok[:, None], other=0.0)
-        q_odd = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :] + 1, mask=row_ok[:, None], other=0.0)
-        if UPCAST:  # Triton's CPU interpreter mis-multiplies bf16 dots; f32 gives the same exact products
-            q_even = q_even.to(tl.float32)
-            q_odd = q_odd.to(tl.float32)
-        if DEQ == 2:  # FP8 q: a power-of-two scale per (row, head) puts the row max in [128, 256)
-            amax = tl.maximum(tl.max(tl.abs(q_even.to(tl.float32)), axis=1), tl.max(tl.abs(q_odd.to(tl.float32)), axis=1))
-            ef = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 8), 254)
-            q_up = ((261 - ef) << 23).to(tl.float32, bitcast=True)  # 2^(7 - E), E = ef - 127
-            q_down = ((ef - 7) << 23).to(tl.float32, bitcast=True)  # 2^(E - 7)
-            q_even = _round_e4m3(q_even.to(tl.float32) * q_up[:, None])
-            q_odd = _round_e4m3(q_odd.to(tl.float32) * q_up[:, None])
-        if DEQ != 0:  # block-diagonal q: one dot gives every scale group's partial score separately
-            q_even = _block_diag(q_even, HD, NG, M)
-            q_odd = _block_diag(q_odd, HD, NG, M)
-        if DEQ == 2 and not UPCAST:
-            q_even = q_even.to(tl.float8e4nv)  # exact: already on the E4M3 grid
-            q_odd = q_odd.to(tl.float8e4nv)
         out_row = out_ptr + (tok * G + mg) * MB
         max_pos = tl.max(qpos)
         n_vis = tl.where(max_pos >= 0, tl.minimum(max_pos // BS + 1, n_blk), 0)
         vis_hi = tl.minimum(c_hi, n_vis)
-        for b0 in range(c_lo, vis_hi, NBT):
-            blk = b0 + jb  # request-relative block of each key row
-            ok = blk < vis_hi
-            if NBT == 1:  # one whole block: scalar base address, unmasked loads
-                phys = tl.load(bt_ptr + r * stride_bt + b0).to(tl.int64)
-                codes = tl.load(kd_ptr + phys * (BS * HD) + (j[:, None] * HD + hc[None, :]))
-                sbyte = tl.load(ks_ptr + phys * (BS * D // 16) + (j[:, None] * (D // 16) + sc_cols[None, :]))
+        if DEQ == 3:  # CUDA-core FMAs: the tile's (row, head) pairs one by one over each decoded key step
+            if ROWS == 1 or t_hi - t0 == 1:  # a single row (plain decode): no FMAs for the tile's spare rows
+                _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo,
+                          vis_hi, G, D, BS, NBT, FK, G)
             else:
-                phys = tl.load(bt_ptr + r * stride_bt + blk, mask=ok, other=0).to(tl.int64)
-                slot = phys * BS + j % BS
-                codes = tl.load(kd_ptr + slot[:, None] * HD + hc[None, :], mask=ok[:, None], other=0)
-                sbyte = tl.load(ks_ptr + slot[:, None] * (D // 16) + sc_cols[None, :], mask=ok[:, None], other=0)
-            if DEQ == 0:  # scale every key value in float32, then two [M, KEYS] dots
-                codes = codes.to(tl.int32)
-                scale = e4m3_big(sbyte.to(tl.int32))
-                k_lo = _dequant_half(codes, scale, 0, KEYS, D)
-                k_hi = _dequant_half(codes, scale, 4, KEYS, D)
-                if q_even.dtype == tl.float32:
-                    acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
-                    acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
-                else:  # e2m1 × e4m3 has <= 6 significant bits: exact in bf16 / fp16
-                    acc = tl.dot(q_even, tl.trans(k_lo.to(q_even.dtype)))
-                    acc = tl.dot(q_odd, tl.trans(k_hi.to(q_odd.dtype)), acc)
-                acc = acc * 128.0  # undo the keys' 2^-7 (a power of two: the sums round as unscaled ones)
-            else:  # unscaled keys as the MMA M dim; the group scales multiply the [KEYS, NG*M] partials
-                if DEQ == 1:
-                    scale = _e4m3_pow2(sbyte.to(tl.int32), 0)
-                    if q_even.dtype == tl.float32:  # interpreter / float32 q: the E2M1 values in float32
-                        ci = codes.to(tl.int32)
-                        k_lo = e2m1_tiny(ci, 0) * _TWO_126
-                        k_hi = e2m1_tiny(ci, 4) * _TWO_126
-                    else:  # bf16 straight from the packed bytes (exact), ~2 instructions per value
-                        k_lo = tl.inline_asm_elementwise(_ASM_BF16_LO, "=r,=r,r", [codes], dtype=tl.bfloat16,
-                                                         is_pure=True, pack=4)
-                        k_hi = tl.inline_asm_elementwise(_ASM_BF16_HI, "=r,=r,r", [codes], dtype=tl.bfloat16,
-                                                         is_pure=True, pack=4)
-                else:
-                    if UPCAST:  # the interpreter cannot run PTX: the same values (E2M1 × 2^-6) in float32
-                        ci = codes.to(tl.int32)
-                        k_lo = e2m1_tiny(ci, 0) * _TWO_120
-                        k_hi = e2m1_tiny(ci, 4) * _TWO_120
-                    else:  # E2M1 -> E4M3 bit shuffle, four packed keys per 2 integer ops
-                        k_lo = tl.inline_asm_elementwise(_ASM_LO, "=r,r", [codes], dtype=tl.uint8, is_pure=True,
-                                                         pack=4).to(tl.float8e4nv, bitcast=True)
-                        k_hi = tl.inline_asm_elementwise(_ASM_HI, "=r,r", [codes], dtype=tl.uint8, is_pure=True,
-                                                         pack=4).to(tl.float8e4nv, bitcast=True)
-                    scale = _e4m3_pow2(sbyte.to(tl.int32), 6)  # undoes the keys' 2^-6
-                if k_lo.dtype == tl.float32:
-                    part = tl.dot(k_lo, q_even, input_precision="ieee")
-                    part = tl.dot(k_hi, q_odd, part, input_precision="ieee")
-                else:
-                    part = tl.dot(k_lo, q_even)
-                    part = tl.dot(k_hi, q_odd, part)
-                part = tl.reshape(part, [KEYS, NG, M]) * scale[:, :, None]
-                acc = tl.trans(tl.sum(part, axis=1))
-                if DEQ == 2:
-                    acc = acc * q_down[:, None]
-            key_pos = blk * BS + j % BS
-            vis = (key_pos[None, :] <= qpos[:, None]) & ok[None, :]
-            s = tl.where(vis, acc, float("-inf"))
-            is_nan = s != s
-            best = tl.max(tl.reshape(tl.where(is_nan, float("-inf"), s), [M, NBT, BS]), axis=2)
-            any_nan = tl.max(tl.reshape(is_nan.to(tl.int32), [M, NBT, BS]), axis=2)
-            best = tl.where(any_nan > 0, float("nan"), best)
-            cols = b0 + nb
-            tl.store(out_row[:, None] + cols[None, :], best, mask=row_ok[:, None] & (cols < vis_hi)[None, :])
+                _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo,
+                          vis_hi, G, D, BS, NBT, FK, ROWS * G)
+        else:
+            _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok, mg, qpos, row_ok, c_lo,
+                      vis_hi, G, D, BS, NBT, M, DEQ, UPCAST)
         ninf = tl.full([M, FILL], float("-inf"), tl.float32)
         for f0 in range(tl.maximum(c_lo, vis_hi), c_hi, FILL):  # no visible key: -inf, keys untouched
             cols = f0 + nf
@@ -367,17 +549,20 @@ def _nbt(block_size: int) -> int:
 @functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefill: bool, deq: str,
                  upcast: bool) -> KernelSpec:
-    nbt = _nbt(block_size)
     ng = d // 16
     dq = DEQ_MODES.index(deq)
+    fma = deq == "fma"
+    nbt = max(1, FMA_KEYS // block_size) if fma else _nbt(block_size)
+    rows = min(rows, FMA_ROWS) if fma else rows
     m = triton.next_power_of_2(rows * g)
-    m = max(m, 16) if dq == 0 else max(m, triton.cdiv(16, ng), 2)  # tl.dot: every dim >= 16
+    if not fma:
+        m = max(m, 16) if dq == 0 else max(m, triton.cdiv(16, ng), 2)  # tl.dot: every dim >= 16
     consts = dict(G=g, D=d, BS=block_size, NBT=nbt, ROWS=rows, M=m, FILL=32, PREFILL=prefill, RB=64, DEQ=dq,
-                  UPCAST=upcast)
+                  UPCAST=upcast, FK=FMA_KEYS if fma else 0)
     types = {"q_ptr": f"*{q_dtype}", "kd_ptr": "*u8", "ks_ptr": "*u8", "pos_ptr": "*i64", "qsl_ptr": "*i32",
              "seq_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32", "stride_qt": "i32", "stride_qg": "i32",
              "stride_bt": "i32", "MB": "i32", "NR": "i32", "chunk_blocks": "i32"}
-    warps = 8 if prefill or nbt * block_size * d >= 8192 else 4
+    warps = FMA_WARPS if fma else 8 if prefill or nbt * block_size * d >= 8192 else 4
     return KernelSpec("msa_indexer_scores", indexer_scores_kernel, types, consts, warps, 3,
                       divisible_16=("kd_ptr", "ks_ptr", "out_ptr"))
 

@@ -8,6 +8,8 @@ scores must equal the reference bit for bit whatever the summation order, and th
 `select_blocks` on the reference scores. General inputs compare scores to float32 rounding and the
 selection to `select_blocks` on the kernel's own scores. The "fp8" path quantizes q: it is compared
 with the reference on the same power-of-two-scaled E4M3 q (exact inputs are already on that grid).
+The "fma" path scales each q row by a power of two of its own: rows of very different magnitudes (and
+NaN / ±inf / zero rows) must still match the reference, each row to its own magnitude.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import os
 import pytest
 import torch
 import triton
+import triton.language as tl
 
+from m3c.backends.kernels.msa_indexer import _e4m3_value, _nibble_tiny
 from m3c.backends.triton_aot import KernelSpec
 from m3c.errors import ShapeError
 from m3c.model_defs import ops
@@ -147,11 +151,12 @@ DEQ_CASES = [
     (64, 8, 2, [37, 100, 9], [1, 3, 2], 4, torch.bfloat16, 4),
     (64, 16, 1, [200, 48, 30], [5, 1, 0], 3, torch.float32, 2),  # 5 rows: 3 decode tiles; an idle request
     (32, 64, 1, [300, 65], [2, 1], 2, torch.bfloat16, 2),  # one whole block a step (the GPU shape)
+    (32, 128, 1, [300, 130], [1, 2], 2, torch.float32, 2),  # "fma": a block in two steps of 64 keys
 ]
 
 
 @pytest.mark.parametrize("exact", [True, False])
-@pytest.mark.parametrize("deq", ["groupdot", "fp8"])
+@pytest.mark.parametrize("deq", ["groupdot", "fp8", "fma"])
 @pytest.mark.parametrize("case", DEQ_CASES, ids=[f"d{c[0]}-bs{c[1]}-g{c[2]}" for c in DEQ_CASES])
 def test_decode_dequant_paths(case: tuple, deq: str, exact: bool, rng: torch.Generator) -> None:
     """Every decode dequant path: exact paths bit-exact on exact inputs; "fp8" equals the reference on
@@ -162,6 +167,70 @@ def test_decode_dequant_paths(case: tuple, deq: str, exact: bool, rng: torch.Gen
     _check(b, bs, top_k, exact=exact, max_q_rows=max_rows, deq=deq, chunk_blocks=3)
     if exact and deq == "fp8":  # exact inputs lose nothing to the quantization
         assert torch.equal(_fp8_q(b["index_q"]), b["index_q"].float())
+
+
+def _scaled_rows(q: torch.Tensor, exps: tuple[float, ...]) -> torch.Tensor:
+    """q with its (token, head) rows scaled by 2^exps[0], 2^exps[1], ... in turn."""
+    t, g, _ = q.shape
+    e = torch.tensor(exps)[torch.arange(t * g) % len(exps)]
+    return (q.float() * torch.exp2(e).view(t, g, 1)).to(q.dtype)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy: inf × 0 in the ±inf rows
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_fma_rows_of_any_magnitude(q_dtype: torch.dtype, rng: torch.Generator) -> None:
+    """"fma" scales each (row, head) by its own power of two: exact inputs at 2^-140..2^100 stay bit-exact
+    (no overflow, no lost bits, subnormal rows included); general ones match to float32 rounding row by row;
+    NaN / ±inf elements give the reference's NaN / ±inf scores and an all-zero row scores 0."""
+    bs, top_k = 16, 3
+    lens, rows = [90, 200], [4, 2]
+    b = _batch(lens, rows, bs, 64, 2, rng, exact=True, q_dtype=q_dtype)
+    b["index_q"] = _scaled_rows(b["index_q"], (-100, 100, -140, 0, 64, -64))  # ~1e-30, ~1e30, subnormal, ...
+    _check(b, bs, top_k, exact=True, deq="fma", max_q_rows=4)
+    # general inputs at normal magnitudes only (with subnormal q the reference itself rounds its products)
+    b = _batch(lens, rows, bs, 64, 2, rng, exact=False, q_dtype=q_dtype)
+    b["index_q"] = _scaled_rows(b["index_q"], (-100, 100, 0, 64, -64, -30))
+    b["index_q"][0, 1, 5] = float("inf")
+    b["index_q"][1, 0, 9] = float("-inf")
+    b["index_q"][2, 1, 0] = float("nan")
+    b["index_q"][3, 0] = 0.0
+    scores, sel = _run(b, bs, top_k, deq="fma", max_q_rows=4)
+    ref = _reference(b, bs)
+    assert torch.equal(scores.isnan(), ref.isnan()) and torch.equal(scores.isinf(), ref.isinf())
+    assert torch.equal(scores[scores.isinf()], ref[ref.isinf()])
+    assert (scores[1, 0].isinf() | scores[1, 0].isnan()).all() and scores[2, 1].isnan().any()
+    fin = ref.isfinite()  # finite scores: to float32 rounding of their own row's largest
+    row_max = ref.abs().masked_fill(~fin, 0).amax(-1, keepdim=True)
+    assert ((scores - ref).abs().masked_fill(~fin, 0) <= 5e-5 * row_max).all()
+    assert (scores[3, 0][fin[3, 0]] == 0).all()
+    assert torch.equal(sel, ops.select_blocks(scores, b["positions"], bs, top_k))
+
+
+@triton.jit
+def _fma_decode_kernel(w_ptr, s_ptr, nib_ptr, sc_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    w = tl.load(w_ptr + i)
+    for k in tl.static_range(8):
+        tl.store(nib_ptr + k * N + i, _nibble_tiny(w, k))
+    tl.store(sc_ptr + i, _e4m3_value(tl.load(s_ptr + i)))
+
+
+def test_fma_decoders_are_exact(rng: torch.Generator) -> None:
+    """The "fma" path's decoders: every E2M1 nibble at every position of a word (whatever its neighbours)
+    as its value × 2^-126 (e2m1_tiny's bits, -0.0 included); every E4M3 byte as its value (0x7F / 0xFF: NaN)."""
+    n = 256
+    words = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=rng).to(torch.int32)
+    words[:16] = torch.arange(16, dtype=torch.int32) * 0x11111111  # every code in every nibble
+    nib = torch.full((8, n), 12345.0)
+    sc = torch.full((n,), 12345.0)
+    _fma_decode_kernel[(1,)](words, torch.arange(n, dtype=torch.int32), nib, sc, N=n)
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    for k in range(8):
+        want = (e2m1[(words.long() >> (4 * k)) & 15] * 2.0**-126).float()
+        assert torch.equal(nib[k].view(torch.int32), want.view(torch.int32)), k
+    want = torch.arange(n).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    nan = want.isnan()
+    assert torch.equal(sc.isnan(), nan) and torch.equal(sc[~nan], want[~nan])
 
 
 def test_fp8_nibble_shuffle_is_exact() -> None:
@@ -268,13 +337,14 @@ def test_ties_go_to_the_smaller_block(rng: torch.Generator) -> None:
     assert sel[0, 0].tolist() == [0, 1, 2, 9]
 
 
-def test_nan_scale_gives_nan_score_never_selected(rng: torch.Generator) -> None:
+@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma"])
+def test_nan_scale_gives_nan_score_never_selected(deq: str, rng: torch.Generator) -> None:
     """A visible key with a NaN scale makes its block score NaN (as torch.amax); selection treats it as -inf."""
     bs = 8
     b = _batch([64], [1], bs, 32, 1, rng, exact=True)
     b["k_scale"].view(torch.uint8)[b["block_table"][0, 3], 5, 0, 1] = 0x7F
-    scores, sel = _kernels().msa_indexer(**b, block_size=bs, top_k=8)
-    ref = _reference(b, bs)
+    scores, sel = _kernels().msa_indexer(**b, block_size=bs, top_k=8, deq=deq)
+    ref = _reference(b, bs, deq)
     assert torch.isnan(scores[0, 0, 3]) and torch.equal(scores.nan_to_num(), ref.nan_to_num())
     assert torch.equal(sel, ops.select_blocks(ref, b["positions"], bs, 8))
     assert 3 not in sel[0, 0].tolist()
@@ -366,7 +436,8 @@ def _resources(binary: bytes) -> str:
 
 def test_compiles_for_hopper() -> None:
     """Every spec of indexer_specs builds offline for sm_90a at m3.1 shapes (G=1 with each dequant path,
-    and G=4's prefill tile), without register spills; the MMA paths hold wgmma, "fp8" its packed shuffle and FP8 MMA."""
+    and G=4's prefill tile), without register spills; the MMA paths hold wgmma, "fp8" its packed shuffle and FP8
+    MMA, "fma" float32 FMAs and no MMA."""
     from m3c.backends.triton_aot import compile_kernels
 
     mi = _kernels()
@@ -375,13 +446,15 @@ def test_compiles_for_hopper() -> None:
         specs |= {s.key(): s for s in mi.indexer_specs(1, 128, 128, 16, "bf16", 8, deq=deq)}
     specs |= {s.key(): s for s in mi.indexer_specs(4, 128, 128, 16, "bf16", 2)[1:2]}  # G=4 prefill: 32 rows × 4
     built = compile_kernels(list(specs.values()))
-    assert len(built) == 7 and all(k.binary for k in built)
+    assert len(built) == len(mi.DEQ_MODES) + 4 and all(k.binary for k in built)
     for spec, k in zip(specs.values(), built):
         res = _resources(k.binary)
         assert res == "" or " LOCAL:0 " in res, (spec.constexprs, res)  # no spills
         ptx = k.stages["ptx"]
-        if spec.family == "msa_indexer_scores" and (spec.constexprs["PREFILL"] or spec.constexprs["DEQ"]):
+        if spec.family == "msa_indexer_scores" and (spec.constexprs["PREFILL"] or spec.constexprs["DEQ"] in (1, 2)):
             assert "wgmma.mma_async" in ptx, spec.constexprs
+        if spec.family == "msa_indexer_scores" and spec.constexprs["DEQ"] == 3:
+            assert "fma.rn.f32" in ptx and "mma" not in ptx
         if spec.family == "msa_indexer_scores" and spec.constexprs["DEQ"] == 2:
             assert "0x1C1C1C1C" in ptx and "e4m3" in ptx
         if spec.family == "msa_indexer_scores" and spec.constexprs["DEQ"] == 1:
@@ -405,7 +478,7 @@ def _check_fp8(b: dict, bs: int, top_k: int, **kw) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8"])
+@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_m31_small_long_contexts(deq: str, q_dtype: torch.dtype, rng: torch.Generator) -> None:
     """Decode at 32K and 1M tokens with 1-4 speculative rows, each dequant path."""
@@ -431,7 +504,7 @@ def test_m31_small_prefill_chunk(ctx: int, rng: torch.Generator) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8"])
+@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma"])
 def test_offline_cubins_through_the_runtime(deq: str, rng: torch.Generator) -> None:
     """indexer_specs compiled offline (this Triton, sm_90a) and launched by the runtime's CubinRunner, in
     both phases, against the reference."""
