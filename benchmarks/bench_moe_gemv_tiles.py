@@ -38,6 +38,7 @@ def variants(t: int) -> list[mp.Tiles]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--defaults-only", action="store_true", help="only the tiles moe_prefill picks, and the small tiles")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
@@ -54,7 +55,8 @@ def main() -> None:
         a = (x, ids, wts, w13, w2, sh13, sh2, lay)
         small = mp._tile_options(lay, "small", False)
         ref = mp._launch(*a, small, mp.jit_run, None)
-        for tiles in [small, *variants(t)]:
+        pick = mp._tile_options(lay, mp._bucket(lay, t), False)
+        for tiles in [small, pick] if args.defaults_only else [small, *variants(t)]:
             name = (f"{'gemv' if tiles.gemv else 'mma'} bm{tiles.bm} bn{tiles.bn1}x{tiles.bn2} bk{tiles.bk} "
                     f"w{tiles.warps} s{tiles.stages}")
             out = torch.empty_like(x)
