@@ -7,7 +7,10 @@ on every GPU and in Triton's CPU interpreter (whose float8 conversions are not t
 - ``e4m3_to_f32``: E4M3 bytes (NVFP4 block scales, FP8 values; subnormals, NaN for 0x7F / 0xFF);
 - ``e8m0_to_f32``: E8M0 bytes (MXFP8 block scales: 2^(byte - 127); 0xFF is NaN);
 - ``e2m1_tiny`` / ``e4m3_big``: the cheap pair the NVFP4 mainloops use — a nibble as value × 2^-126 in 3
-  integer ops, a scale as value × 2^119 — so value × scale = their product × 2^7, exactly.
+  integer ops, a scale as value × 2^119 — so value × scale = their product × 2^7, exactly;
+- ``e2m1_nibble_tiny``: nibble k of a 32-bit word of 8 codes as e2m1_tiny's float, in 3 ops, no byte
+  extraction (the CUDA-core FMA paths load codes as words);
+- ``e4m3_value``: E4M3 bytes as their plain float32 value in ~6 ops (cheaper than ``e4m3_to_f32``).
 
 A packed NVFP4 byte holds element 2i in its low nibble and 2i+1 in its high nibble.
 """
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+_TWO_120 = tl.constexpr(1.329227995784916e36)  # 2^120
 
 
 @triton.jit
@@ -69,3 +74,24 @@ def e4m3_big(byte):
     nan = tl.full(byte.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     mag = tl.where((byte & 0x7F) == 0x7F, nan, mag)
     return tl.where(byte >= 128, -mag, mag)
+
+
+@triton.jit
+def e2m1_nibble_tiny(w, k):
+    """Nibble k (0..7: an int or an int32 tensor) of int32 words w as float32 value × 2^-126, exactly (e2m1_tiny's
+    bits), in 3 ops (2 for k = 7). Nibble k holds element k of the word's 8 codes (low nibble of byte i: 2i).
+
+    Moved to bits 28..31, an arithmetic shift by 6 puts (e1 e0 m) on bits 22..24 and keeps the sign on bit 31.
+    """
+    return (((w << (28 - 4 * k)) >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000
+
+
+@triton.jit
+def e4m3_value(b):
+    """E4M3 bytes (int32, 0..255) -> float32 values, exactly (NaN for 0x7F / 0xFF), in ~6 ops.
+
+    Moved to bits 24..31, an arithmetic shift by 4 puts (e, m) on the float's exponent LSBs and mantissa MSBs
+    and keeps the sign: value × 2^-120 (e = 0 lands on subnormals, as in E4M3), times 2^120 the value (normal).
+    """
+    tiny = (((b << 24) >> 4) & -2014314496).to(tl.float32, bitcast=True)  # 0x87F00000
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), tiny * _TWO_120)

@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, e8m0_to_f32
+from m3c.backends.kernels.fp_codes import e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e8m0_to_f32
 from m3c.backends.kernels.host import interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
@@ -229,9 +229,7 @@ def _gemv_w(data, sb, FMT: tl.constexpr):
     if FMT == 2:
         p = tl.arange(0, 8)[None, None, None, :]
         sc = e4m3_big(sb.to(tl.int32))[:, :, None, None]
-        # nibble p moved to bits 28..31, then an arithmetic shift by 6 puts (e1 e0 m) on the float's exponent
-        # LSBs / mantissa MSB and keeps the sign: e2m1_tiny's bits (value × 2^-126) in 3 ops (2 for p = 7)
-        out = (((data << (28 - 4 * p)) >> 6) & -2118123520).to(tl.float32, bitcast=True) * sc  # 0x81C00000
+        out = e2m1_nibble_tiny(data, p) * sc  # value × 2^-126 × scale × 2^119
     elif FMT == 1:
         sc = e8m0_to_f32(sb.to(tl.int32))[:, :, None, None]
         out = _e4m3_bits(data.to(tl.int32)) * _TWO_POW_120 * sc
@@ -264,6 +262,20 @@ def _row_ptr(base, rows, ok, i: tl.constexpr, stride: tl.constexpr):
 
 
 @triton.jit
+def _row_ptrs(base, rows, valid, BM: tl.constexpr, stride: tl.constexpr):
+    """`_row_ptr` of a tile's rows 0..3 (rows past BM repeat row 1 or 0 and are never used): 4 pointers, 4 flags.
+
+    Rows past the tile's end read row 0 of the matrix and store nothing.
+    """
+    ok = valid.to(tl.int32)
+    p0, v0 = _row_ptr(base, rows, ok, 0, stride)
+    p1, v1 = _row_ptr(base, rows, ok, 1 % BM, stride)
+    p2, v2 = _row_ptr(base, rows, ok, 2 % BM, stride)
+    p3, v3 = _row_ptr(base, rows, ok, 3 % BM, stride)
+    return p0, p1, p2, p3, v0, v1, v2, v3
+
+
+@triton.jit
 def _fma_rows(acc, w, x):
     """acc + w · x elementwise (one FMA per weight: weights [BN, G, 2, 8], one row's x [G, 2, 8]); reduced at the end."""
     return acc + w * x[None, :, :, :]
@@ -276,11 +288,7 @@ def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
     G: tl.constexpr = BK // 16
     rg = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
     ru = rg + N
-    ok = valid.to(tl.int32)  # rows past the tile's end read row 0 and store nothing
-    x0, ok0 = _row_ptr(x_ptr, tok, ok, 0, H)
-    x1, ok1 = _row_ptr(x_ptr, tok, ok, 1 % BM, H)
-    x2, ok2 = _row_ptr(x_ptr, tok, ok, 2 % BM, H)
-    x3, ok3 = _row_ptr(x_ptr, tok, ok, 3 % BM, H)
+    x0, x1, x2, x3, ok0, ok1, ok2, ok3 = _row_ptrs(x_ptr, tok, valid, BM, H)
     g0 = tl.zeros([BN, G, 2, 8], dtype=tl.float32)
     u0, g1, u1, g2, u2, g3, u3 = g0, g0, g0, g0, g0, g0, g0
     gd, gs = _gemv_load(wd_ptr, ws_ptr, rg, 0, H, FMT, G)
@@ -338,11 +346,7 @@ def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
     """`_fc2_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
     G: tl.constexpr = BK // 16
     rw = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
-    ok = valid.to(tl.int32)  # rows past the tile's end read row 0 and store nothing
-    a0, ok0 = _row_ptr(a_ptr, arows, ok, 0, K)
-    a1, ok1 = _row_ptr(a_ptr, arows, ok, 1 % BM, K)
-    a2, ok2 = _row_ptr(a_ptr, arows, ok, 2 % BM, K)
-    a3, ok3 = _row_ptr(a_ptr, arows, ok, 3 % BM, K)
+    a0, a1, a2, a3, ok0, ok1, ok2, ok3 = _row_ptrs(a_ptr, arows, valid, BM, K)
     c0 = tl.zeros([BN, G, 2, 8], dtype=tl.float32)
     c1, c2, c3 = c0, c0, c0
     wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, 0, K, FMT, G)

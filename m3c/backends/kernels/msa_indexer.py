@@ -100,7 +100,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big
+from m3c.backends.kernels.fp_codes import e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value
 from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
@@ -231,28 +231,6 @@ def _slices8(x):
 
 
 @triton.jit
-def _nibble_tiny(w, K: tl.constexpr):
-    """Nibble K (0..7) of int32 words w as float32 value × 2^-126, exactly (e2m1_tiny's bits), in 3 ops (2 for K = 7).
-
-    Moved to bits 28..31, an arithmetic shift by 6 puts (e1 e0 m) on bits 22..24 and keeps the sign on bit 31.
-    """
-    if K < 7:
-        w = w << (28 - 4 * K)
-    return ((w >> 6) & -2118123520).to(tl.float32, bitcast=True)  # 0x81C00000
-
-
-@triton.jit
-def _e4m3_value(b):
-    """E4M3 bytes (int32, 0..255) -> float32 values, exactly (NaN for 0x7F / 0xFF), in ~6 ops.
-
-    Moved to bits 24..31, an arithmetic shift by 4 puts (e, m) on the float's exponent LSBs and mantissa MSBs
-    and keeps the sign: value × 2^-120 (e = 0 lands on subnormals, as in E4M3), times 2^120 the value (normal).
-    """
-    tiny = (((b << 24) >> 4) & -2014314496).to(tl.float32, bitcast=True)  # 0x87F00000
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), tiny * _TWO_120)
-
-
-@triton.jit
 def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
               G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr,
               R: tl.constexpr):
@@ -313,10 +291,10 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
             w0, w1 = tl.split(words)
             vals = ()
             for k in tl.static_range(8):
-                vals = vals + (_nibble_tiny(w0, k),)  # noqa: RUF005 (Triton's compiler has no starred tuples)
+                vals = vals + (e2m1_nibble_tiny(w0, k),)  # noqa: RUF005 (Triton's compiler has no starred tuples)
             for k in tl.static_range(8):
-                vals = vals + (_nibble_tiny(w1, k),)  # noqa: RUF005
-            scale = _e4m3_value(sbyte.to(tl.int32))  # the plain value (<= 448): see the bounds above
+                vals = vals + (e2m1_nibble_tiny(w1, k),)  # noqa: RUF005
+            scale = e4m3_value(sbyte.to(tl.int32))  # the plain value (<= 448): see the bounds above
             key_pos = blk * BS + kpos
             step = ()
             for i in tl.static_range(R):

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e2m1_to_f32, e4m3_to_f32, e8m0_to_f32
+from m3c.backends.kernels.fp_codes import e2m1_nibble_tiny, e2m1_to_f32, e4m3_to_f32, e4m3_value, e8m0_to_f32
 from m3c.model_defs import quant
 
 
@@ -49,3 +49,34 @@ def test_e8m0_every_byte():
     want[255] = float("nan")
     got = _decode(codes, 2)
     assert torch.isnan(got[255]) and torch.equal(got[:255], want[:255])
+
+
+@triton.jit
+def _fma_decode_kernel(w_ptr, s_ptr, nib_ptr, nibt_ptr, sc_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    w = tl.load(w_ptr + i)
+    for k in tl.static_range(8):  # k a constant (the MSA indexer's use)
+        tl.store(nib_ptr + k * N + i, e2m1_nibble_tiny(w, k))
+    k8 = tl.arange(0, 8)  # k a tensor (the MoE GEMV tiles' use)
+    tl.store(nibt_ptr + k8[None, :] * N + i[:, None], e2m1_nibble_tiny(w[:, None], k8[None, :]))
+    tl.store(sc_ptr + i, e4m3_value(tl.load(s_ptr + i)))
+
+
+def test_fma_decoders_are_exact(rng: torch.Generator) -> None:
+    """The word decoders of the CUDA-core FMA paths: every E2M1 nibble at every position of a word (whatever its neighbours)
+    as its value × 2^-126 (e2m1_tiny's bits, -0.0 included); every E4M3 byte as its value (0x7F / 0xFF: NaN)."""
+    n = 256
+    words = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=rng).to(torch.int32)
+    words[:16] = torch.arange(16, dtype=torch.int32) * 0x11111111  # every code in every nibble
+    nib = torch.full((8, n), 12345.0)
+    nibt = torch.full((8, n), 12345.0)
+    sc = torch.full((n,), 12345.0)
+    _fma_decode_kernel[(1,)](words, torch.arange(n, dtype=torch.int32), nib, nibt, sc, N=n)
+    assert torch.equal(nib.view(torch.int32), nibt.view(torch.int32))
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    for k in range(8):
+        want = (e2m1[(words.long() >> (4 * k)) & 15] * 2.0**-126).float()
+        assert torch.equal(nib[k].view(torch.int32), want.view(torch.int32)), k
+    want = torch.arange(n).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    nan = want.isnan()
+    assert torch.equal(sc.isnan(), nan) and torch.equal(sc[~nan], want[~nan])

@@ -19,9 +19,7 @@ import os
 import pytest
 import torch
 import triton
-import triton.language as tl
 
-from m3c.backends.kernels.msa_indexer import _e4m3_value, _nibble_tiny
 from m3c.backends.triton_aot import KernelSpec
 from m3c.errors import ShapeError
 from m3c.model_defs import ops
@@ -204,33 +202,6 @@ def test_fma_rows_of_any_magnitude(q_dtype: torch.dtype, rng: torch.Generator) -
     assert ((scores - ref).abs().masked_fill(~fin, 0) <= 5e-5 * row_max).all()
     assert (scores[3, 0][fin[3, 0]] == 0).all()
     assert torch.equal(sel, ops.select_blocks(scores, b["positions"], bs, top_k))
-
-
-@triton.jit
-def _fma_decode_kernel(w_ptr, s_ptr, nib_ptr, sc_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    w = tl.load(w_ptr + i)
-    for k in tl.static_range(8):
-        tl.store(nib_ptr + k * N + i, _nibble_tiny(w, k))
-    tl.store(sc_ptr + i, _e4m3_value(tl.load(s_ptr + i)))
-
-
-def test_fma_decoders_are_exact(rng: torch.Generator) -> None:
-    """The "fma" path's decoders: every E2M1 nibble at every position of a word (whatever its neighbours)
-    as its value × 2^-126 (e2m1_tiny's bits, -0.0 included); every E4M3 byte as its value (0x7F / 0xFF: NaN)."""
-    n = 256
-    words = torch.randint(-(2**31), 2**31, (n,), dtype=torch.int64, generator=rng).to(torch.int32)
-    words[:16] = torch.arange(16, dtype=torch.int32) * 0x11111111  # every code in every nibble
-    nib = torch.full((8, n), 12345.0)
-    sc = torch.full((n,), 12345.0)
-    _fma_decode_kernel[(1,)](words, torch.arange(n, dtype=torch.int32), nib, sc, N=n)
-    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
-    for k in range(8):
-        want = (e2m1[(words.long() >> (4 * k)) & 15] * 2.0**-126).float()
-        assert torch.equal(nib[k].view(torch.int32), want.view(torch.int32)), k
-    want = torch.arange(n).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    nan = want.isnan()
-    assert torch.equal(sc.isnan(), nan) and torch.equal(sc[~nan], want[~nan])
 
 
 def test_fp8_nibble_shuffle_is_exact() -> None:
