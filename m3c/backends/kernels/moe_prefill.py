@@ -282,8 +282,41 @@ def _fma_rows(acc, w, x):
 
 
 @triton.jit
+def _fc1_rows_step(g0, u0, g1, u1, g2, u2, g3, u3, wg, wu, x0, x1, x2, x3, k0, BM: tl.constexpr, G: tl.constexpr):
+    """One K step of `_fc1_gemv`: decoded gate / up weights FMA'd with each of the tile's BM rows."""
+    xt = _x_tile(x0, k0, G)
+    g0 = _fma_rows(g0, wg, xt)
+    u0 = _fma_rows(u0, wu, xt)
+    if BM > 1:
+        xt = _x_tile(x1, k0, G)
+        g1 = _fma_rows(g1, wg, xt)
+        u1 = _fma_rows(u1, wu, xt)
+    if BM > 2:
+        xt = _x_tile(x2, k0, G)
+        g2 = _fma_rows(g2, wg, xt)
+        u2 = _fma_rows(u2, wu, xt)
+        xt = _x_tile(x3, k0, G)
+        g3 = _fma_rows(g3, wg, xt)
+        u3 = _fma_rows(u3, wu, xt)
+    return g0, u0, g1, u1, g2, u2, g3, u3
+
+
+@triton.jit
+def _fc2_rows_step(c0, c1, c2, c3, w, a0, a1, a2, a3, k0, BM: tl.constexpr, G: tl.constexpr):
+    """One K step of `_fc2_gemv`: decoded weights FMA'd with each of the tile's BM rows."""
+    c0 = _fma_rows(c0, w, _x_tile(a0, k0, G))
+    if BM > 1:
+        c1 = _fma_rows(c1, w, _x_tile(a1, k0, G))
+    if BM > 2:
+        c2 = _fma_rows(c2, w, _x_tile(a2, k0, G))
+        c3 = _fma_rows(c3, w, _x_tile(a3, k0, G))
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_rows, H: tl.constexpr,
-              N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              PIPE: tl.constexpr):
     """`_fc1_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
     G: tl.constexpr = BK // 16
     rg = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
@@ -291,29 +324,22 @@ def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
     x0, x1, x2, x3, ok0, ok1, ok2, ok3 = _row_ptrs(x_ptr, tok, valid, BM, H)
     g0 = tl.zeros([BN, G, 2, 8], dtype=tl.float32)
     u0, g1, u1, g2, u2, g3, u3 = g0, g0, g0, g0, g0, g0, g0
-    gd, gs = _gemv_load(wd_ptr, ws_ptr, rg, 0, H, FMT, G)
-    ud, us = _gemv_load(wd_ptr, ws_ptr, ru, 0, H, FMT, G)
-    for k0 in range(0, H, BK):
-        kn = tl.minimum(k0 + BK, H - BK)  # the next step's bytes (the last step re-loads its own: harmless)
-        gd_n, gs_n = _gemv_load(wd_ptr, ws_ptr, rg, kn, H, FMT, G)
-        ud_n, us_n = _gemv_load(wd_ptr, ws_ptr, ru, kn, H, FMT, G)
-        wg = _gemv_w(gd, gs, FMT)
-        wu = _gemv_w(ud, us, FMT)
-        gd, gs, ud, us = gd_n, gs_n, ud_n, us_n
-        xt = _x_tile(x0, k0, G)
-        g0 = _fma_rows(g0, wg, xt)
-        u0 = _fma_rows(u0, wu, xt)
-        if BM > 1:
-            xt = _x_tile(x1, k0, G)
-            g1 = _fma_rows(g1, wg, xt)
-            u1 = _fma_rows(u1, wu, xt)
-        if BM > 2:
-            xt = _x_tile(x2, k0, G)
-            g2 = _fma_rows(g2, wg, xt)
-            u2 = _fma_rows(u2, wu, xt)
-            xt = _x_tile(x3, k0, G)
-            g3 = _fma_rows(g3, wg, xt)
-            u3 = _fma_rows(u3, wu, xt)
+    if PIPE > 0:  # Triton's pipeliner: PIPE - 1 steps of bytes in flight through shared memory (cp.async)
+        for k0 in tl.range(0, H, BK, num_stages=PIPE):
+            gd, gs = _gemv_load(wd_ptr, ws_ptr, rg, k0, H, FMT, G)
+            ud, us = _gemv_load(wd_ptr, ws_ptr, ru, k0, H, FMT, G)
+            g0, u0, g1, u1, g2, u2, g3, u3 = _fc1_rows_step(g0, u0, g1, u1, g2, u2, g3, u3, _gemv_w(gd, gs, FMT),
+                                                            _gemv_w(ud, us, FMT), x0, x1, x2, x3, k0, BM, G)
+    else:  # the next step's bytes prefetched in registers (the last step re-loads its own: harmless)
+        gd, gs = _gemv_load(wd_ptr, ws_ptr, rg, 0, H, FMT, G)
+        ud, us = _gemv_load(wd_ptr, ws_ptr, ru, 0, H, FMT, G)
+        for k0 in range(0, H, BK):
+            kn = tl.minimum(k0 + BK, H - BK)
+            gd_n, gs_n = _gemv_load(wd_ptr, ws_ptr, rg, kn, H, FMT, G)
+            ud_n, us_n = _gemv_load(wd_ptr, ws_ptr, ru, kn, H, FMT, G)
+            g0, u0, g1, u1, g2, u2, g3, u3 = _fc1_rows_step(g0, u0, g1, u1, g2, u2, g3, u3, _gemv_w(gd, gs, FMT),
+                                                            _gemv_w(ud, us, FMT), x0, x1, x2, x3, k0, BM, G)
+            gd, gs, ud, us = gd_n, gs_n, ud_n, us_n
     mg = _row_mul(wg_ptr, rg, FMT)
     mu = _row_mul(wg_ptr, ru, FMT)
     cols = n0 + tl.arange(0, BN)
@@ -342,24 +368,24 @@ def _silu_mul_row(g, u, mg, mu, out_ptr, orow, ok, cols, N: tl.constexpr):
 
 @triton.jit
 def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, yrows, K: tl.constexpr,
-              H: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+              H: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              PIPE: tl.constexpr):
     """`_fc2_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
     G: tl.constexpr = BK // 16
     rw = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
     a0, a1, a2, a3, ok0, ok1, ok2, ok3 = _row_ptrs(a_ptr, arows, valid, BM, K)
     c0 = tl.zeros([BN, G, 2, 8], dtype=tl.float32)
     c1, c2, c3 = c0, c0, c0
-    wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, 0, K, FMT, G)
-    for k0 in range(0, K, BK):
-        wd_n, ws_n = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(k0 + BK, K - BK), K, FMT, G)  # next step's bytes
-        w = _gemv_w(wd, ws, FMT)
-        wd, ws = wd_n, ws_n
-        c0 = _fma_rows(c0, w, _x_tile(a0, k0, G))
-        if BM > 1:
-            c1 = _fma_rows(c1, w, _x_tile(a1, k0, G))
-        if BM > 2:
-            c2 = _fma_rows(c2, w, _x_tile(a2, k0, G))
-            c3 = _fma_rows(c3, w, _x_tile(a3, k0, G))
+    if PIPE > 0:  # Triton's pipeliner: PIPE - 1 steps of bytes in flight through shared memory (cp.async)
+        for k0 in tl.range(0, K, BK, num_stages=PIPE):
+            wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, k0, K, FMT, G)
+            c0, c1, c2, c3 = _fc2_rows_step(c0, c1, c2, c3, _gemv_w(wd, ws, FMT), a0, a1, a2, a3, k0, BM, G)
+    else:  # the next step's bytes prefetched in registers (the last step re-loads its own: harmless)
+        wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, 0, K, FMT, G)
+        for k0 in range(0, K, BK):
+            wd_n, ws_n = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(k0 + BK, K - BK), K, FMT, G)
+            c0, c1, c2, c3 = _fc2_rows_step(c0, c1, c2, c3, _gemv_w(wd, ws, FMT), a0, a1, a2, a3, k0, BM, G)
+            wd, ws = wd_n, ws_n
     m = _row_mul(wg_ptr, rw, FMT)
     cols = n0 + tl.arange(0, BN)
     _scaled_row(c0, m, _lane(wt, 0), y_ptr, _lane(yrows, 0), ok0, cols, H)
@@ -395,7 +421,8 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr,
                    T, n_sh,
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
+                   PIPE: tl.constexpr):
     """FC1 + SiLU·up of one row tile × BN intermediate columns: shared tiles first, then routed tiles."""
     pid_m = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -404,7 +431,7 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr,
         if (pid_m < n_sh) & (n0 < S):
             tok = pid_m * BM + m
             if GEMV:
-                _fc1_gemv(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK)
+                _fc1_gemv(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK, PIPE)
             else:
                 _fc1_tile(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK,
                           DOT_F32)
@@ -417,7 +444,7 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr,
             tok = (pair // TOPK).to(tl.int32)
             if GEMV:
                 _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
-                          INTER, FMT, BM, BN, BK)
+                          INTER, FMT, BM, BN, BK, PIPE)
             else:
                 _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
                           INTER, FMT, BM, BN, BK, DOT_F32)
@@ -428,7 +455,8 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd
                    y_ptr, T, n_sh,
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
+                   PIPE: tl.constexpr):
     """FC2 × routing weight of one row tile × BN hidden columns into y [T, TOPK + HAS_SHARED, H]."""
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     pid_m = tl.program_id(0)
@@ -440,7 +468,7 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd
             one = tl.full([BM], 1.0, tl.float32)
             if GEMV:
                 _fc2_gemv(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
-                          SFMT, BM, BN, BK)
+                          SFMT, BM, BN, BK, PIPE)
             else:
                 _fc2_tile(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
                           SFMT, BM, BN, BK, DOT_F32)
@@ -454,7 +482,7 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd
             yrows = (pair // TOPK) * SLOTS + pair % TOPK
             if GEMV:
                 _fc2_gemv(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
-                          FMT, BM, BN, BK)
+                          FMT, BM, BN, BK, PIPE)
             else:
                 _fc2_tile(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
                           FMT, BM, BN, BK, DOT_F32)
@@ -513,6 +541,7 @@ class Tiles:
     bh: int = 256
     cwarps: int = 4
     gemv: bool = False  # CUDA-core FMA tiles (bm <= 4 rows: weights decoded once per program, no MMA)
+    pipe: int = 0  # GEMV tiles: 0 = next step's bytes prefetched in registers; n > 0 = tl.range(num_stages=n)
 
 
 def _divides(options: tuple[int, ...], *dims: int) -> int:
@@ -573,7 +602,8 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> tuple[KernelSpec, ...]:
     sfmt = lay.shared_fmt if has_sh else None
     common = dict(H=lay.hidden, INTER=lay.inter, S=lay.shared_inter if has_sh else 0, TOPK=lay.top_k, E=lay.experts,
                   EP=triton.next_power_of_2(lay.experts), FMT=FMT_CODES[lay.w13_fmt],
-                  SFMT=FMT_CODES[sfmt] if sfmt else 0, HAS_SHARED=has_sh, BM=tiles.bm, BK=tiles.bk, DOT_F32=dot_f32, GEMV=tiles.gemv)
+                  SFMT=FMT_CODES[sfmt] if sfmt else 0, HAS_SHARED=has_sh, BM=tiles.bm, BK=tiles.bk, DOT_F32=dot_f32,
+                  GEMV=tiles.gemv, PIPE=tiles.pipe)
     w = {"wd_ptr": _ptr(lay.w13_fmt, True), "ws_ptr": _ptr(lay.w13_fmt, False), "wg_ptr": "*fp32",
          "sd_ptr": _ptr(sfmt, True), "ss_ptr": _ptr(sfmt, False)}
     t1 = {"x_ptr": act, "order_ptr": "*i64", "offs_ptr": "*i32", "tend_ptr": "*i32", **w, "act_ptr": act,

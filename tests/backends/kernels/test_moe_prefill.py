@@ -8,6 +8,7 @@ interpreter at tiny shapes; ``-m gpu`` runs them at m3.1-small shapes (64 expert
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -155,11 +156,12 @@ GEMV_CASES = {
 }
 
 
-@pytest.mark.parametrize("bucket", ["gemv1", "gemv2", "gemv4"])
+@pytest.mark.parametrize("bucket,pipe", [("gemv1", 0), ("gemv2", 0), ("gemv4", 0), ("gemv1", 3), ("gemv4", 2)])
 @pytest.mark.parametrize("case", list(GEMV_CASES))
-def test_gemv_tiles_match_reference(case: str, bucket: str, rng: torch.Generator) -> None:
-    """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, in every weight format: experts holding more rows than a
-    tile, tiles with fewer rows than their size, and the shared expert's partial last tile all match."""
+def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, rng: torch.Generator) -> None:
+    """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, bytes prefetched in registers or pipelined by Triton
+    (``pipe``), in every weight format: experts holding more rows than a tile, tiles with fewer rows than
+    their size, and the shared expert's partial last tile all match."""
     t, h, inter, e, k, s, fmt, sfmt, act = GEMV_CASES[case]
     mp = _mp()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -171,7 +173,7 @@ def test_gemv_tiles_match_reference(case: str, bucket: str, rng: torch.Generator
     x, ids, wts, w13, w2, sh13, sh2 = (_to(v, dev) for v in (x, ids, wts, w13, w2, sh13, sh2))
     xa = x.to(act)
     lay = mp._layout(xa, ids, wts, w13, w2, sh13, sh2)
-    tiles = mp._tile_options(lay, bucket, mp.interpreting())
+    tiles = dataclasses.replace(mp._tile_options(lay, bucket, mp.interpreting()), pipe=pipe)
     assert tiles.gemv and tiles.bm == int(bucket[4:])
     out = torch.full_like(xa, float("nan"))
     mp._launch(xa, ids, wts, w13, w2, sh13, sh2, lay, tiles, mp.jit_run, out)
