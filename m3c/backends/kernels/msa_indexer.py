@@ -118,6 +118,10 @@ FMA_KEYS = 64
 """Keys per step of the "fma" path (a power of two; below the block size a block takes several steps)."""
 FMA_WARPS = 4
 """Warps of the "fma" path's programs."""
+FMA_STAGES = 1
+"""Software-pipeline stages of the "fma" path's block loop (``tl.range(num_stages=...)``; 1: none, the key
+loads are issued in the step that uses them; > 1: Triton moves them through shared memory with cp.async,
+FMA_STAGES - 1 steps ahead — not the default until measured on the GPU)."""
 FMA_ROWS = 2
 """Query rows per tile of the "fma" path (at most; more rows loop over tiles, keys re-read per tile). The
 tile's rows × G (row, head) pairs share each decoded key step but hold their q in registers, and a kernel
@@ -232,7 +236,7 @@ def _slices8(x):
 
 @triton.jit
 def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
-              G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr,
+              G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr, FS: tl.constexpr,
               R: tl.constexpr):
     """The "fma" decode path: block-max scores of R = rows × G (row, head) pairs, one by one, over blocks
     [c_lo, vis_hi); steps of FK keys (NBT whole blocks, or a part of one) decoded once for all pairs.
@@ -272,7 +276,7 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
                 _pow2(ef - 120 - dn), tl.where(valid, tl.load(pos_ptr + tok).to(tl.int32), -1), valid,
                 out_ptr + (tok * G + i % G) * MB)
         pairs = pairs + (pair,)  # noqa: RUF005 (Triton's compiler has no starred tuples)
-    for b0 in range(c_lo, vis_hi, NBT):
+    for b0 in tl.range(c_lo, vis_hi, NBT, num_stages=FS):  # FS > 1: Triton pipelines the key loads (cp.async)
         bests = ()  # per pair: [FK] scores (masked: -inf), maxima over the block's steps so far
         for u in tl.static_range(SUB):
             blk = b0 + kk // BL  # request-relative block of each key
@@ -418,7 +422,7 @@ def indexer_scores_kernel(
     stride_qt, stride_qg, stride_bt, MB, NR, chunk_blocks,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, ROWS: tl.constexpr,
     M: tl.constexpr, FILL: tl.constexpr, PREFILL: tl.constexpr, RB: tl.constexpr, DEQ: tl.constexpr,
-    UPCAST: tl.constexpr, FK: tl.constexpr,
+    UPCAST: tl.constexpr, FK: tl.constexpr, FS: tl.constexpr,
 ):
     """Block-max index scores of one (row tile, block chunk): out[t, g, b] float32 for the tile's rows t.
 
@@ -454,10 +458,10 @@ def indexer_scores_kernel(
         if DEQ == 3:  # CUDA-core FMAs: the tile's (row, head) pairs one by one over each decoded key step
             if ROWS == 1 or t_hi - t0 == 1:  # a single row (plain decode): no FMAs for the tile's spare rows
                 _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo,
-                          vis_hi, G, D, BS, NBT, FK, G)
+                          vis_hi, G, D, BS, NBT, FK, FS, G)
             else:
                 _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo,
-                          vis_hi, G, D, BS, NBT, FK, ROWS * G)
+                          vis_hi, G, D, BS, NBT, FK, FS, ROWS * G)
         else:
             _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok, mg, qpos, row_ok, c_lo,
                       vis_hi, G, D, BS, NBT, M, DEQ, UPCAST)
@@ -536,7 +540,7 @@ def _scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefi
     if not fma:
         m = max(m, 16) if dq == 0 else max(m, triton.cdiv(16, ng), 2)  # tl.dot: every dim >= 16
     consts = dict(G=g, D=d, BS=block_size, NBT=nbt, ROWS=rows, M=m, FILL=32, PREFILL=prefill, RB=64, DEQ=dq,
-                  UPCAST=upcast, FK=FMA_KEYS if fma else 0)
+                  UPCAST=upcast, FK=FMA_KEYS if fma else 0, FS=FMA_STAGES if fma else 1)
     types = {"q_ptr": f"*{q_dtype}", "kd_ptr": "*u8", "ks_ptr": "*u8", "pos_ptr": "*i64", "qsl_ptr": "*i32",
              "seq_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32", "stride_qt": "i32", "stride_qg": "i32",
              "stride_bt": "i32", "MB": "i32", "NR": "i32", "chunk_blocks": "i32"}

@@ -405,6 +405,26 @@ def _resources(binary: bytes) -> str:
     return next((line for line in out.splitlines() if "REG:" in line), "")
 
 
+def test_fma_pipelined_block_loop(monkeypatch: pytest.MonkeyPatch, rng: torch.Generator) -> None:
+    """FMA_STAGES > 1 (Triton software-pipelines the "fma" block loop): the same exact scores and selections,
+    and the sm_90a code moves the keys with cp.async (the tuning option bench_msa_indexer_variants.py sweeps)."""
+    from m3c.backends.triton_aot import compile_kernels
+
+    mi = _kernels()
+    monkeypatch.setattr(mi, "FMA_STAGES", 3)
+    mi._scores_spec.cache_clear()  # specs are cached per shape; the knob is a module setting
+    try:
+        bs, top_k = 16, 3
+        b = _batch([90, 200], [1, 2], bs, 64, 2, rng, exact=True)
+        _check(b, bs, top_k, exact=True, deq="fma", max_q_rows=2)
+        spec = next(s for s in mi.indexer_specs(1, 128, 128, 16, "bf16", 1, deq="fma") if s.constexprs.get("DEQ") == 3)
+        assert spec.constexprs["FS"] == 3
+        (k,) = compile_kernels([spec])
+        assert "cp.async" in k.stages["ptx"]
+    finally:
+        mi._scores_spec.cache_clear()
+
+
 def test_compiles_for_hopper() -> None:
     """Every spec of indexer_specs builds offline for sm_90a at m3.1 shapes (G=1 with each dequant path,
     and G=4's prefill tile), without register spills; the MMA paths hold wgmma, "fp8" its packed shuffle and FP8
