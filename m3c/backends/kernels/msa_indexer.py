@@ -528,23 +528,32 @@ def _nbt(block_size: int) -> int:
     return max(1, 64 // block_size)
 
 
-@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefill: bool, deq: str,
                  upcast: bool) -> KernelSpec:
+    """The scores kernel's spec; the "fma" tuning knobs (FMA_KEYS, FMA_WARPS, FMA_ROWS, FMA_STAGES) are read
+    here, at every call, and are part of the cached builder's key: changing them takes effect at once."""
+    knobs = (FMA_KEYS, FMA_WARPS, FMA_ROWS, FMA_STAGES) if deq == "fma" else (0, 0, 0, 1)
+    return _build_scores_spec(g, d, block_size, q_dtype, rows, prefill, deq, upcast, knobs)
+
+
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
+def _build_scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefill: bool, deq: str,
+                       upcast: bool, knobs: tuple[int, int, int, int]) -> KernelSpec:
+    fma_keys, fma_warps, fma_rows, fma_stages = knobs
     ng = d // 16
     dq = DEQ_MODES.index(deq)
     fma = deq == "fma"
-    nbt = max(1, FMA_KEYS // block_size) if fma else _nbt(block_size)
-    rows = min(rows, FMA_ROWS) if fma else rows
+    nbt = max(1, fma_keys // block_size) if fma else _nbt(block_size)
+    rows = min(rows, fma_rows) if fma else rows
     m = triton.next_power_of_2(rows * g)
     if not fma:
         m = max(m, 16) if dq == 0 else max(m, triton.cdiv(16, ng), 2)  # tl.dot: every dim >= 16
     consts = dict(G=g, D=d, BS=block_size, NBT=nbt, ROWS=rows, M=m, FILL=32, PREFILL=prefill, RB=64, DEQ=dq,
-                  UPCAST=upcast, FK=FMA_KEYS if fma else 0, FS=FMA_STAGES if fma else 1)
+                  UPCAST=upcast, FK=fma_keys if fma else 0, FS=fma_stages if fma else 1)
     types = {"q_ptr": f"*{q_dtype}", "kd_ptr": "*u8", "ks_ptr": "*u8", "pos_ptr": "*i64", "qsl_ptr": "*i32",
              "seq_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32", "stride_qt": "i32", "stride_qg": "i32",
              "stride_bt": "i32", "MB": "i32", "NR": "i32", "chunk_blocks": "i32"}
-    warps = FMA_WARPS if fma else 8 if prefill or nbt * block_size * d >= 8192 else 4
+    warps = fma_warps if fma else 8 if prefill or nbt * block_size * d >= 8192 else 4
     return KernelSpec("msa_indexer_scores", indexer_scores_kernel, types, consts, warps, 3,
                       divisible_16=("kd_ptr", "ks_ptr", "out_ptr"))
 
