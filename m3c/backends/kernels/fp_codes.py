@@ -10,7 +10,8 @@ on every GPU and in Triton's CPU interpreter (whose float8 conversions are not t
   integer ops, a scale as value × 2^119 — so value × scale = their product × 2^7, exactly;
 - ``e2m1_nibble_tiny``: nibble k of a 32-bit word of 8 codes as e2m1_tiny's float, in 3 ops, no byte
   extraction (the CUDA-core FMA paths load codes as words);
-- ``e4m3_value``: E4M3 bytes as their plain float32 value in ~6 ops (cheaper than ``e4m3_to_f32``).
+- ``e4m3_value``: E4M3 bytes as their plain float32 value in ~6 ops (cheaper than ``e4m3_to_f32``);
+- ``e4m3_tiny``: E4M3 bytes as value × 2^-120 in 4 ops, no NaN handling (the MXFP8 mainloops: × TWO_120).
 
 A packed NVFP4 byte holds element 2i in its low nibble and 2i+1 in its high nibble.
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-_TWO_120 = tl.constexpr(1.329227995784916e36)  # 2^120
+TWO_120 = tl.constexpr(1.329227995784916e36)
+"""2^120: undoes the 2^-120 of an E4M3 byte placed into float32 bits (``e4m3_value``, the MXFP8 mainloops)."""
 
 
 @triton.jit
@@ -94,4 +96,11 @@ def e4m3_value(b):
     and keeps the sign: value × 2^-120 (e = 0 lands on subnormals, as in E4M3), times 2^120 the value (normal).
     """
     tiny = (((b << 24) >> 4) & -2014314496).to(tl.float32, bitcast=True)  # 0x87F00000
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), tiny * _TWO_120)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), tiny * TWO_120)
+
+
+@triton.jit
+def e4m3_tiny(b):
+    """E4M3 bytes (int32) placed into float32 bits: value × 2^-120 for normals and subnormals alike (the NaN codes
+    0x7F / 0xFF read as ±480 × 2^-120: MXFP8 weights from a quantizer never hold them)."""
+    return (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)

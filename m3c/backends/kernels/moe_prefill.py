@@ -42,8 +42,11 @@ of a wgmma. Each K step loads the tile's weight bytes one step ahead (in flight 
 computes), decodes every weight once — NVFP4 from whole 32-bit words of 8 codes with constant shifts (2
 shifts + 1 LOP3 per code), × its E4M3 scale (×2^119) — and FMAs it with each row's x into float32
 accumulators [BN, BK/16, 2, 8] (one FFMA per weight and row, fp-contraction on), reduced once after the
-loop. Offline sm_90a SASS (Triton 3.9): ~8 instructions per weight in the NVFP4 loop (4 integer, FMUL,
-FFMA, the rest loads and a scale-layout exchange through shared memory).
+loop. Offline sm_90a SASS (Triton 3.9): ~7.2 instructions per weight in FC1's NVFP4 loop (3 integer,
+FMUL, FFMA, the rest loads and a scale-layout exchange through shared memory). ``Tiles.pipe`` > 1 lets
+Triton's pipeliner stream the bytes through shared memory instead (cp.async), not yet measured. A batch
+is summed in a different order by the GEMV tiles (T <= 4) than by the tensor-core tiles: the same tokens
+in batches of different sizes differ by float32 / bf16 rounding (~5e-4 relative in bf16), not more.
 
 FLOP / byte floor (m3.1-small: H = 6144, I = S = 1536, E = 64, k = 8, P = T·k pairs):
 FLOPs = 6·P·H·I (routed) + 6·T·H·S (shared) = 54·T·H·I: 2.09 TFLOP at T = 4096 -> ~2.8 ms at
@@ -65,7 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e8m0_to_f32
+from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_tiny, e8m0_to_f32
 from m3c.backends.kernels.host import interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
@@ -73,7 +76,6 @@ from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 
 FMT_CODES = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}
 ACT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_TWO_POW_120 = tl.constexpr(1.329227995784916e36)  # 2^120
 POISON_WORKSPACES = False  # tests: fill act / y with NaN before the launches, so unwritten rows show
 
 
@@ -99,8 +101,7 @@ def _w_tile(d_ptr, s_ptr, rows, k0, K: tl.constexpr, FMT: tl.constexpr, BN: tl.c
         w = tl.reshape(tl.join(lo, hi), [BN, BK])  # element 2i: low nibble, 2i + 1: high nibble
     elif FMT == 1:
         b = tl.load(d_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :]).to(tl.int32)
-        # E4M3 bits placed into a float32: value × 2^-120 for normals and subnormals alike
-        v = (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True) * _TWO_POW_120
+        v = e4m3_tiny(b) * TWO_120
         sb = tl.load(s_ptr + rows[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
         s = e8m0_to_f32(sb.to(tl.int32))
         w = tl.reshape(tl.reshape(v, [BN, BK // 32, 32]) * s[:, :, None], [BN, BK])
@@ -232,16 +233,10 @@ def _gemv_w(data, sb, FMT: tl.constexpr):
         out = e2m1_nibble_tiny(data, p) * sc  # value × 2^-126 × scale × 2^119
     elif FMT == 1:
         sc = e8m0_to_f32(sb.to(tl.int32))[:, :, None, None]
-        out = _e4m3_bits(data.to(tl.int32)) * _TWO_POW_120 * sc
+        out = e4m3_tiny(data.to(tl.int32)) * TWO_120 * sc
     else:
         out = data.to(tl.float32)
     return out
-
-
-@triton.jit
-def _e4m3_bits(b):
-    """E4M3 bytes (int32) placed into float32 bits: value × 2^-120 for normals and subnormals alike."""
-    return (((b & 0x7F) << 20) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -318,13 +313,16 @@ def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
               N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               PIPE: tl.constexpr):
     """`_fc1_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
+    tl.static_assert(BM <= 4)  # rows 0..3 only (the host allows 1, 2, 4)
+    tl.static_assert(H % BK == 0)  # unmasked loads along K and N
+    tl.static_assert(N % BN == 0)
     G: tl.constexpr = BK // 16
     rg = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
     ru = rg + N
     x0, x1, x2, x3, ok0, ok1, ok2, ok3 = _row_ptrs(x_ptr, tok, valid, BM, H)
     g0 = tl.zeros([BN, G, 2, 8], dtype=tl.float32)
     u0, g1, u1, g2, u2, g3, u3 = g0, g0, g0, g0, g0, g0, g0
-    if PIPE > 0:  # Triton's pipeliner: PIPE - 1 steps of bytes in flight through shared memory (cp.async)
+    if PIPE > 1:  # Triton's pipeliner: PIPE - 1 steps of bytes in flight through shared memory (cp.async)
         for k0 in tl.range(0, H, BK, num_stages=PIPE):
             gd, gs = _gemv_load(wd_ptr, ws_ptr, rg, k0, H, FMT, G)
             ud, us = _gemv_load(wd_ptr, ws_ptr, ru, k0, H, FMT, G)
@@ -359,11 +357,11 @@ def _row_sum(acc):
 
 @triton.jit
 def _silu_mul_row(g, u, mg, mu, out_ptr, orow, ok, cols, N: tl.constexpr):
-    """out[orow, cols] = SiLU(sum_g(g) · mg) · sum_g(u) · mu for group partials g, u [BN, G]."""
+    """out[orow, cols] = SiLU(rowsum(g) · mg) · rowsum(u) · mu for FMA accumulators g, u [BN, G, 2, 8]."""
     gv = _row_sum(g) * mg
     uv = _row_sum(u) * mu
     a = gv * tl.sigmoid(gv) * uv
-    tl.store(out_ptr + orow.to(tl.int64) * N + cols, a.to(out_ptr.dtype.element_ty), mask=(cols < N) & (cols * 0 + ok > 0))
+    tl.store(out_ptr + orow.to(tl.int64) * N + cols, a.to(out_ptr.dtype.element_ty), mask=cols * 0 + ok > 0)
 
 
 @triton.jit
@@ -371,12 +369,15 @@ def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
               H: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               PIPE: tl.constexpr):
     """`_fc2_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
+    tl.static_assert(BM <= 4)  # rows 0..3 only (the host allows 1, 2, 4)
+    tl.static_assert(K % BK == 0)  # unmasked loads along K and N
+    tl.static_assert(H % BN == 0)
     G: tl.constexpr = BK // 16
     rw = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
     a0, a1, a2, a3, ok0, ok1, ok2, ok3 = _row_ptrs(a_ptr, arows, valid, BM, K)
     c0 = tl.zeros([BN, G, 2, 8], dtype=tl.float32)
     c1, c2, c3 = c0, c0, c0
-    if PIPE > 0:  # Triton's pipeliner: PIPE - 1 steps of bytes in flight through shared memory (cp.async)
+    if PIPE > 1:  # Triton's pipeliner: PIPE - 1 steps of bytes in flight through shared memory (cp.async)
         for k0 in tl.range(0, K, BK, num_stages=PIPE):
             wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, k0, K, FMT, G)
             c0, c1, c2, c3 = _fc2_rows_step(c0, c1, c2, c3, _gemv_w(wd, ws, FMT), a0, a1, a2, a3, k0, BM, G)
@@ -398,9 +399,9 @@ def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
 
 @triton.jit
 def _scaled_row(c, m, w, y_ptr, yrow, ok, cols, H: tl.constexpr):
-    """y[yrow, cols] = sum_g(c) · m · w for group partials c [BN, G]."""
+    """y[yrow, cols] = rowsum(c) · m · w for FMA accumulators c [BN, G, 2, 8]."""
     v = _row_sum(c) * m * w
-    tl.store(y_ptr + yrow.to(tl.int64) * H + cols, v.to(y_ptr.dtype.element_ty), mask=(cols < H) & (cols * 0 + ok > 0))
+    tl.store(y_ptr + yrow.to(tl.int64) * H + cols, v.to(y_ptr.dtype.element_ty), mask=cols * 0 + ok > 0)
 
 
 @triton.jit
@@ -541,7 +542,7 @@ class Tiles:
     bh: int = 256
     cwarps: int = 4
     gemv: bool = False  # CUDA-core FMA tiles (bm <= 4 rows: weights decoded once per program, no MMA)
-    pipe: int = 0  # GEMV tiles: 0 = next step's bytes prefetched in registers; n > 0 = tl.range(num_stages=n)
+    pipe: int = 0  # GEMV tiles: 0 = next step's bytes prefetched in registers; n > 1 = tl.range(num_stages=n)
 
 
 def _divides(options: tuple[int, ...], *dims: int) -> int:
@@ -550,11 +551,13 @@ def _divides(options: tuple[int, ...], *dims: int) -> int:
 
 
 def _tile_options(lay: Layout, bucket: str, interp: bool) -> Tiles:
-    """Tiles for a layout and a token bucket (`BUCKETS`: "gemv1/2/4" FMA tiles of 1/2/4 rows, "small": few rows
-    per expert, "large")."""
+    """Tiles for a layout and a token bucket ("gemv1" / "gemv2" / "gemv4": FMA tiles of 1 / 2 / 4 rows — the
+    dispatch uses "gemv1", see `BUCKETS` —, "small": few rows per expert, "large")."""
     h, i, s = lay.hidden, lay.inter, lay.shared_inter
     if bucket.startswith("gemv"):  # "gemv<rows per tile>"
         bm = int(bucket[4:])
+        if bm not in (1, 2, 4):
+            raise ShapeError(f"GEMV tiles hold 1, 2 or 4 rows, not {bm} (bucket {bucket!r})")
         if interp:  # the same code on small tiles
             return Tiles(bm, 16, 16, 32, 4, 1, 16, _divides((64, 32), h), 4, gemv=True)
         return Tiles(bm, 16, 16, _divides((128, 64, 32), h, i, s), 4, 1, 16, _divides((256, 128, 64, 32), h), 4,
@@ -759,10 +762,25 @@ def moe_prefill(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                    _tile_options(lay, _bucket(lay, x.shape[0]), interpreting()), runner, out)
 
 
+def _check_tiles(lay: Layout, tiles: Tiles) -> None:
+    """Raise ShapeError unless `tiles` fits `lay`: the kernels' loads are unmasked along K and N."""
+    h, i, s = lay.hidden, lay.inter, lay.shared_inter
+    bad = [f"{name}={v} does not divide {dim}" for name, v, dims in
+           (("bk", tiles.bk, (h, i, s)), ("bn1", tiles.bn1, (i, s)), ("bn2", tiles.bn2, (h,)), ("bh", tiles.bh, (h,)))
+           for dim in dims if dim and dim % v]
+    if tiles.gemv and tiles.bm not in (1, 2, 4):
+        bad.append(f"GEMV tiles hold 1, 2 or 4 rows, not bm={tiles.bm}")
+    if tiles.pipe and not tiles.gemv:
+        bad.append("pipe applies to GEMV tiles only (the tensor-core tiles pipeline through `stages`)")
+    if bad:
+        raise ShapeError(f"tiling {tiles} does not fit hidden={h}, inter={i}, shared_inter={s}: " + "; ".join(bad))
+
+
 def _launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Any, w2: Any,
             shared_w13: Any, shared_w2: Any, lay: Layout, tiles: Tiles, runner: Runner,
             out: torch.Tensor | None) -> torch.Tensor:
     """The launches of `moe_prefill` for an explicit tiling (benchmarks compare tilings through this)."""
+    _check_tiles(lay, tiles)
     t, h = x.shape
     k, e, i = lay.top_k, lay.experts, lay.inter
     dev = x.device

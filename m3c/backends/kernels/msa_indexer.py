@@ -60,7 +60,7 @@ always uses "f32scale"):
   chain of 16 FMAs (in-thread) gives the partial, times the group scale, summed over groups, times
   2^(126 - S) (two exact power-of-two multiplies) gives the score. The only roundings are the float32
   accumulations. Per key value: 2.875 integer ops + 1 FMA per pair + ~1.4 of per-group and per-key work
-  (scales, group sum, pooling, addresses): ~5.2 SASS instructions at one pair (sm_90, D = 128, 64 keys,
+  (scales, group sum, pooling, addresses): ~5.3 SASS instructions at one pair (sm_90, D = 128, 64 keys,
   4 warps, 54 registers), ~1.5 more per further pair (registers: FMA_ROWS).
 The inline PTX runs only on a GPU: the interpreter checks each path's algebra with the same values in
 float32, and the tests check the bit formulas of the PTX on every byte in torch.
@@ -100,7 +100,7 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value
+from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value
 from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
@@ -111,8 +111,10 @@ DEQ_MODES = ("f32scale", "groupdot", "fp8", "fma")
 DEFAULT_DEQ = "fma"
 """The decode dequant path by default: exact like "f32scale" / "groupdot" and the fastest on the H200 (1M
 tokens, batch 1: 66 µs vs 107 "groupdot", 128 "f32scale", 89 "fp8"; 32K: 12.1 vs 13.3 µs; selections
-equal the reference's; benchmarks/RESULTS.md). "fp8" is lossy (its query rounding changed 87.5% of the
-selected blocks at 32K), so it is never a default."""
+equal the reference's; benchmarks/RESULTS.md). Those numbers are for 1-row tiles (``max_q_rows=1``, 54
+registers); the runtime's decode (``max_q_rows=8``, speculative rows) gets FMA_ROWS = 2-row tiles, 96
+registers, not measured on the GPU yet. "fp8" is lossy (its query rounding changed 87.5% of the selected
+blocks at 32K), so it is never a default."""
 
 FMA_KEYS = 64
 """Keys per step of the "fma" path (a power of two; below the block size a block takes several steps)."""
@@ -134,7 +136,6 @@ TOPK_CH = (1024, 8192)
 """Top-k chunk widths, bucketed over block-table widths (8,192 blocks = 1M tokens at block 128)."""
 
 _TWO_126 = tl.constexpr(8.507059173023462e37)  # 2^126: e2m1_tiny × 2^126 = the E2M1 value
-_TWO_120 = tl.constexpr(1.329227995784916e36)  # 2^120: e2m1_tiny × 2^120 = the E2M1 value × 2^-6 (its E4M3 bit shuffle)
 # E2M1 nibbles -> E4M3 bytes worth value × 2^-6, four packed bytes per instance (low / high nibbles).
 _ASM_LO = tl.constexpr("{ .reg .b32 t; shl.b32 t, $1, 2; and.b32 t, t, 0x1C1C1C1C; "
            "shl.b32 $0, $1, 4; and.b32 $0, $0, 0x80808080; or.b32 $0, $0, t; }")
@@ -246,7 +247,7 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
     NG: tl.constexpr = D // 16
     BL: tl.constexpr = FK if FK < BS else BS  # keys of one block in a step
     SUB: tl.constexpr = BS // BL  # steps per block (> 1: running maxima per pair)
-    kw_ptr = kd_ptr.to(tl.pointer_type(tl.int32))  # a key's D/2 code bytes as D/8 little-endian words
+    kw_ptr = kd_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # a key's D/2 code bytes as D/8 little-endian words
     g = tl.arange(0, NG)
     kk = tl.arange(0, FK)
     nb = tl.arange(0, NBT)
@@ -392,8 +393,8 @@ def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok,
             else:
                 if UPCAST:  # the interpreter cannot run PTX: the same values (E2M1 × 2^-6) in float32
                     ci = codes.to(tl.int32)
-                    k_lo = e2m1_tiny(ci, 0) * _TWO_120
-                    k_hi = e2m1_tiny(ci, 4) * _TWO_120
+                    k_lo = e2m1_tiny(ci, 0) * TWO_120  # e2m1_tiny × 2^120 = the E2M1 value × 2^-6 (its E4M3 bit shuffle)
+                    k_hi = e2m1_tiny(ci, 4) * TWO_120
                 else:  # E2M1 -> E4M3 bit shuffle, four packed keys per 2 integer ops
                     k_lo = tl.inline_asm_elementwise(_ASM_LO, "=r,r", [codes], dtype=tl.uint8, is_pure=True,
                                                      pack=4).to(tl.float8e4nv, bitcast=True)
@@ -426,7 +427,7 @@ def indexer_scores_kernel(
 ):
     """Block-max index scores of one (row tile, block chunk): out[t, g, b] float32 for the tile's rows t.
 
-    PREFILL=False: program_id(0) is a request, whose rows are walked ROWS at a time (decode: one tile).
+    PREFILL=False: program_id(0) is a request, whose rows are walked ROWS at a time (decode: one tile; "fma" loops over tiles of at most FMA_ROWS rows).
     PREFILL=True: program_id(0) is one ROWS-row tile of one request (found by ``prefill_tile``).
     FK: keys per step of the "fma" path (DEQ == 3).
     """

@@ -4,7 +4,15 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e2m1_nibble_tiny, e2m1_to_f32, e4m3_to_f32, e4m3_value, e8m0_to_f32
+from m3c.backends.kernels.fp_codes import (
+    TWO_120,
+    e2m1_nibble_tiny,
+    e2m1_to_f32,
+    e4m3_tiny,
+    e4m3_to_f32,
+    e4m3_value,
+    e8m0_to_f32,
+)
 from m3c.model_defs import quant
 
 
@@ -16,8 +24,10 @@ def _decode_kernel(src_ptr, out_ptr, N: tl.constexpr, WHICH: tl.constexpr):
         v = e2m1_to_f32(c)
     elif WHICH == 1:
         v = e4m3_to_f32(c)
-    else:
+    elif WHICH == 2:
         v = e8m0_to_f32(c)
+    else:
+        v = e4m3_tiny(c) * TWO_120
     tl.store(out_ptr + i, v)
 
 
@@ -41,6 +51,15 @@ def test_e4m3_every_byte():
     got = _decode(codes, 1)
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
+
+
+def test_e4m3_tiny_every_byte():
+    """e4m3_tiny × 2^120 is every finite E4M3 byte's value (the NaN codes read as ±480, documented)."""
+    codes = torch.arange(256, dtype=torch.int32)
+    want = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    got = _decode(codes, 3)
+    nan = want.isnan()
+    assert torch.equal(got[~nan], want[~nan]) and torch.equal(got[nan], torch.tensor([480.0, -480.0]))
 
 
 def test_e8m0_every_byte():

@@ -169,7 +169,15 @@ def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, rng: torc
     ids[:, 0] = ids[0, 0]  # one expert takes every token: more rows than a gemv1 / gemv2 tile holds
     ids[:, 1:] = torch.where(ids[:, 1:] == ids[0, 0], (ids[0, 0] + 1) % e, ids[:, 1:])
     x = x.to(act).float()
-    ref = _reference(x, ids, wts, w13, w2, sh13, sh2, fmt, sfmt)
+    keep = wts.clone()
+    if t > 1:  # ids outside [0, E) contribute nothing (the reference sees them as weight 0 on a valid id)
+        bad = ids.clone()
+        bad[t - 1, k - 1] = -1 if t % 2 else e
+        keep[t - 1, k - 1] = 0.0
+    else:
+        bad = ids
+    ref = _reference(x, ids, keep, w13, w2, sh13, sh2, fmt, sfmt)
+    ids = bad
     x, ids, wts, w13, w2, sh13, sh2 = (_to(v, dev) for v in (x, ids, wts, w13, w2, sh13, sh2))
     xa = x.to(act)
     lay = mp._layout(xa, ids, wts, w13, w2, sh13, sh2)
@@ -178,6 +186,21 @@ def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, rng: torc
     out = torch.full_like(xa, float("nan"))
     mp._launch(xa, ids, wts, w13, w2, sh13, sh2, lay, tiles, mp.jit_run, out)
     _check(out.cpu(), ref, act)
+
+
+def test_rejects_tilings_that_do_not_fit(rng: torch.Generator) -> None:
+    """Explicit tilings (benchmarks) are checked: GEMV tiles of 1, 2 or 4 rows only, tiles dividing the dims."""
+    mp = _mp()
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(2, 128, 64, 8, 2, 64, "nvfp4", "mxfp8", rng)
+    lay = mp._layout(x, ids, wts, w13, w2, sh13, sh2)
+    with pytest.raises(ShapeError, match="1, 2 or 4 rows"):
+        mp._tile_options(lay, "gemv8", False)
+    good = mp._tile_options(lay, "gemv1", True)
+    for bad, match in ((dataclasses.replace(good, bm=8), "1, 2 or 4 rows"), (dataclasses.replace(good, bk=96), "bk=96"),
+                       (dataclasses.replace(good, bn1=48), "bn1=48"),
+                       (dataclasses.replace(mp._tile_options(lay, "small", True), pipe=3), "pipe")):
+        with pytest.raises(ShapeError, match=match):
+            mp._launch(x, ids, wts, w13, w2, sh13, sh2, lay, bad, mp.jit_run, None)
 
 
 def test_tiny_batch_invalid_ids_and_determinism(rng: torch.Generator) -> None:
@@ -246,7 +269,12 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
     large = [sp for sp in specs if sp.constexprs.get("BM", 0) == 128 or sp.family == "moe_prefill_combine"]
     gemv = [sp for sp in specs if sp.constexprs.get("GEMV")]
     assert len(gemv) == 2 and all(sp.enable_fp_fusion for sp in gemv)
-    built = compile_kernels(large + gemv)
+    lay = mp.Layout(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")  # + the pipelined GEMV option (benchmarked)
+    piped = list(mp._specs(lay, dataclasses.replace(mp._tile_options(lay, "gemv1", False), pipe=3), False)[:2])
+    built = compile_kernels(large + gemv + piped)
+    assert all("cp.async" in b.stages["ptx"] for b in built[-2:])  # Triton streams the weight bytes
+    assert all("cp.async" not in b.stages["ptx"] for b in built[-4:-2])  # pipe 0: register prefetch only
+    built = built[:-2]
     assert sorted(b.name for b in built) == sorted(["moe_combine_kernel"] + ["moe_fc1_kernel", "moe_fc2_kernel"] * 2)
     for b, sp in zip(built, large + gemv):
         if b.name != "moe_combine_kernel":  # tensor-core tiles use wgmma; the GEMV tiles no MMA at all
@@ -302,19 +330,20 @@ def test_m31_small_gpu(t: int, skew: bool, rng: torch.Generator) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_gpu(rng: torch.Generator) -> None:
+@pytest.mark.parametrize("t", [300, 3], ids=["tensor-core-tiles", "gemv-tiles"])
+def test_cuda_graph_capture_gpu(t: int, rng: torch.Generator) -> None:
     """The whole launcher (sort, offsets, three launches) captures into a CUDA graph and replays correctly."""
     mp = _mp()
     h, inter, e, k, s = 1024, 256, 16, 4, 256
-    x, ids, wts, w13, w2, sh13, sh2 = _problem(300, h, inter, e, k, s, "nvfp4", "mxfp8", rng)
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng)
     args = [_to(v, "cuda") for v in (x.bfloat16(), ids, wts, w13, w2, sh13, sh2)]
-    out = torch.empty(300, h, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
     mp.moe_prefill(*args, out=out)  # warm-up: JIT compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         mp.moe_prefill(*args, out=out)
-    x2, ids2, wts2, *_ = _problem(300, h, inter, e, k, s, "nvfp4", "mxfp8", rng)
+    x2, ids2, wts2, *_ = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng)
     args[0].copy_(x2.bfloat16())
     args[1].copy_(ids2)
     args[2].copy_(wts2)
