@@ -309,13 +309,19 @@ def _fc2_rows_step(c0, c1, c2, c3, w, a0, a1, a2, a3, k0, BM: tl.constexpr, G: t
 
 
 @triton.jit
+def _gemv_fits(BM: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, N: tl.constexpr, BN: tl.constexpr):
+    """Compile-time checks of a GEMV tile: rows 0..3 only (the host allows 1, 2, 4), loads unmasked along K, N."""
+    tl.static_assert(BM <= 4)
+    tl.static_assert(K % BK == 0)
+    tl.static_assert(N % BN == 0)
+
+
+@triton.jit
 def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_rows, H: tl.constexpr,
               N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               PIPE: tl.constexpr):
     """`_fc1_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
-    tl.static_assert(BM <= 4)  # rows 0..3 only (the host allows 1, 2, 4)
-    tl.static_assert(H % BK == 0)  # unmasked loads along K and N
-    tl.static_assert(N % BN == 0)
+    _gemv_fits(BM, H, BK, N, BN)
     G: tl.constexpr = BK // 16
     rg = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
     ru = rg + N
@@ -369,9 +375,7 @@ def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
               H: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               PIPE: tl.constexpr):
     """`_fc2_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
-    tl.static_assert(BM <= 4)  # rows 0..3 only (the host allows 1, 2, 4)
-    tl.static_assert(K % BK == 0)  # unmasked loads along K and N
-    tl.static_assert(H % BN == 0)
+    _gemv_fits(BM, K, BK, H, BN)
     G: tl.constexpr = BK // 16
     rw = (row0 + n0 + tl.arange(0, BN)).to(tl.int64)
     a0, a1, a2, a3, ok0, ok1, ok2, ok3 = _row_ptrs(a_ptr, arows, valid, BM, K)
