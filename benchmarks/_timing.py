@@ -29,6 +29,18 @@ def bench_graph(fn: Callable[[], Any], rep: int = 100) -> float:
         return float("nan")
 
 
+def record_point(rows: list[dict], key: dict, fn: Callable[[], dict | list[dict]]) -> None:
+    """Append fn()'s row (or rows) to `rows`; if it raises, append ``key | {"error": ...}`` (printed) instead, so
+    one failing point is recorded in the table and the rest still run; then free the cached GPU memory."""
+    try:
+        got = fn()
+        rows.extend(got if isinstance(got, list) else [got])
+    except Exception as e:  # record and go on: the table shows it
+        rows.append(key | {"error": f"{type(e).__name__}: {str(e)[:300]}"})
+        print(rows[-1], flush=True)
+    torch.cuda.empty_cache()
+
+
 def write_results(name: str, rows: list[dict], **extra: Any) -> Path:
     """Write ``{bench, device, torch, triton, **extra, rows}`` to $OUT/<name>.json (or benchmarks/results)."""
     out = Path(os.environ.get("OUT", "benchmarks/results"))

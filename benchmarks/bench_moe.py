@@ -24,7 +24,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from _timing import bench, bench_graph, write_results
+from _timing import bench, bench_graph, record_point, write_results
 
 from m3c.backends.kernels.megamoe import megamoe
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, moe_decode
@@ -163,12 +163,7 @@ def main() -> None:
     compiled = torch.compile(moe)
     rows = []
     for t in (int(v) for v in args.tokens.split(",")):
-        try:
-            rows.append(run(t, moe, mm, base, compiled, gen))
-        except Exception as e:  # record and go on: the table shows it
-            rows.append({"T": t, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
+        record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, base, compiled, gen))
     write_results("moe", rows, shape=[H, INTER, E, K, S])
     print(f"\n{'T':>6} {'exp':>4} {'ours':>9} {'graph':>9} {'launch':>9} {'bf16 gmm':>9} {'fp8 gmm':>9} "
           f"{'compiled':>9} {'floor':>8} {'xbf16':>6} {'%bw':>5} {'err':>8}")

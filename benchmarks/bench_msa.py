@@ -24,7 +24,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _timing import bench, bench_graph, write_results
+from _timing import bench, bench_graph, record_point, write_results
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention
 from m3c.backends.kernels.msa_indexer import msa_indexer
@@ -165,12 +165,9 @@ def main() -> None:
     points += [(c, 1, 4096) for c in contexts]  # prefill chunks
     rows = []
     for ctx, batch, nrows in points:
-        try:
-            rows.append(run_point(ctx, batch, nrows, reference=not args.no_reference and batch == 1 and nrows == 1))
-        except Exception as e:  # record and go on: the table shows it
-            rows.append({"context": ctx, "batch": batch, "rows": nrows, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
+        ref = not args.no_reference and batch == 1 and nrows == 1
+        record_point(rows, {"context": ctx, "batch": batch, "rows": nrows},
+                     lambda c=ctx, b=batch, n=nrows, ref=ref: run_point(c, b, n, reference=ref))
     write_results("msa", rows)
     print(f"\n{'ctx':>8} {'B':>3} {'rows':>5} {'msa':>9} {'scores':>9} {'topk':>8} {'attn':>9} {'floor':>8} "
           f"{'/floor':>6} {'sdpa':>9} {'xdense':>7} {'ref':>9} sel==ref")

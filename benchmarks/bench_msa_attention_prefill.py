@@ -24,7 +24,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from _timing import bench_graph, write_results
+from _timing import bench_graph, record_point, write_results
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention, msa_sparse_attention_decode, token_requests
 from m3c.model_defs import ops as mops
@@ -124,12 +124,7 @@ def main() -> None:
     rows_out = []
     for ctx in (int(c) for c in a.contexts.split(",")):
         for mode in ("shared", "random"):
-            try:
-                rows_out.append(run(ctx, a.rows, mode))
-            except Exception as e:  # record and go on: the table shows it
-                rows_out.append({"context": ctx, "selection": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                print(rows_out[-1], flush=True)
-            torch.cuda.empty_cache()
+            record_point(rows_out, {"context": ctx, "selection": mode}, lambda c=ctx, m=mode: run(c, a.rows, m))
     write_results("msa_attention_prefill", rows_out)
     print(f"\n{'ctx':>8} {'sel':>6} {'prefill':>9} {'decode-k':>9} {'sdpa':>9} {'floor':>8} {'x floor':>7} "
           f"{'TFLOP/s':>7} {'x sdpa':>7} {'x dec':>6} {'blocks':>6} {'err':>8}")

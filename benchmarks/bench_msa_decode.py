@@ -16,7 +16,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from _timing import bench, bench_graph, write_results
+from _timing import bench, bench_graph, record_point, write_results
 
 from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, token_requests
 from m3c.backends.kernels.msa_indexer import msa_indexer
@@ -79,12 +79,7 @@ def main() -> None:
     """All points; JSON and a short table."""
     rows = []
     for ctx, batch in ((32768, 1), (131072, 1), (1048576, 1), (32768, 8), (131072, 8)):
-        try:
-            rows.append(run(ctx, batch))
-        except Exception as e:  # record and go on: the table shows it
-            rows.append({"context": ctx, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
+        record_point(rows, {"context": ctx, "batch": batch}, lambda c=ctx, b=batch: run(c, b))
     write_results("msa_decode", rows)
     print(f"\n{'ctx':>8} {'B':>2} {'indexer':>9} {'attn':>9} {'total':>9} {'graph':>9} {'floor':>8} {'sdpa':>9} "
           f"{'xdense':>7} sel==ref")

@@ -24,7 +24,7 @@ import json
 import torch
 import torch.nn.functional as F
 import triton.testing
-from _timing import bench_graph, write_results
+from _timing import bench_graph, record_point, write_results
 
 from m3c.backends.kernels import msa_indexer as mi
 from m3c.backends.kernels.msa_indexer import DEQ_MODES, _topk_ch, _topk_spec, msa_indexer
@@ -167,12 +167,8 @@ def main() -> None:
     points = [("decode", c, b) for b in batches for c in ctxs]
     points += [("prefill", c, 1) for c in ((131072,) if args.quick else (131072, 1 << 20))]
     for phase, ctx, batch in points:
-        try:
-            rows += run_decode(ctx, batch, args.max_q_rows) if phase == "decode" else [run_prefill(ctx)]
-        except Exception as e:  # record and go on: the table shows it
-            rows.append({"phase": phase, "context": ctx, "batch": batch, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
+        record_point(rows, {"phase": phase, "context": ctx, "batch": batch},
+                     lambda p=phase, c=ctx, b=batch: run_decode(c, b, args.max_q_rows) if p == "decode" else run_prefill(c))
     write_results("msa_indexer_variants", rows)
     print(f"\n{'phase':>7} {'ctx':>8} {'B':>2} {'deq':>9} {'us':>9} {'topk':>7} {'floor':>8} {'%floor':>7} "
           f"{'xdense':>7} {'sel==':>6} {'rows==':>6}")
