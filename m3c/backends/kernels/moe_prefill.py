@@ -107,10 +107,16 @@ def _w_tile(d_ptr, s_ptr, rows, k0, K: tl.constexpr, FMT: tl.constexpr, BN: tl.c
         w = tl.reshape(tl.reshape(v, [BN, BK // 32, 32]) * s[:, :, None], [BN, BK])
     else:
         w = tl.load(d_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :])
+    return _dot_operand(w, DOT_F32)
+
+
+@triton.jit
+def _dot_operand(v, DOT_F32: tl.constexpr):
+    """v in the dots' operand dtype: float32 (IEEE dots) or bf16 (tensor-core dots)."""
     if DOT_F32:
-        out = w.to(tl.float32)
+        out = v.to(tl.float32)
     else:
-        out = w.to(tl.bfloat16)
+        out = v.to(tl.bfloat16)
     return out
 
 
@@ -135,12 +141,7 @@ def _dot(a, w, acc, DOT_F32: tl.constexpr):
 @triton.jit
 def _a_tile(row_ptrs, cols, valid, DOT_F32: tl.constexpr):
     """Activation rows (pointers [BM, 1]) × columns `cols` as the dot's A operand (float32 or bf16); 0 past T."""
-    a = tl.load(row_ptrs + cols[None, :], mask=valid[:, None], other=0.0)
-    if DOT_F32:
-        out = a.to(tl.float32)
-    else:
-        out = a.to(tl.bfloat16)
-    return out
+    return _dot_operand(tl.load(row_ptrs + cols[None, :], mask=valid[:, None], other=0.0), DOT_F32)
 
 
 @triton.jit
@@ -200,7 +201,8 @@ def _lane(v, i: tl.constexpr):
 def _gemv_load(d_ptr, s_ptr, rows, k0, K: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr):
     """The raw weight bytes of rows `rows` [BN] × columns [k0, k0 + 16·G): (data, scale bytes), for `_gemv_w`.
 
-    Loaded one K step ahead of their use (the loop body decodes step k while step k + 1's bytes are in flight).
+    Loaded one K step ahead of their use (PIPE <= 1: step k + 1's bytes are in flight while step k is decoded)
+    or by Triton's pipeliner through shared memory (PIPE > 1).
     """
     g = tl.arange(0, G)[None, :, None, None]
     h = tl.arange(0, 2)[None, None, :, None]
