@@ -77,6 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import e2m1_to_f32, e4m3_to_f32
 from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
@@ -466,8 +467,9 @@ def _checked(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_dat
              v_scale: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
              seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
              out: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """Validate shapes/dtypes (no sync); return (selected i64, positions i64, qsl i32, seq_lens i32,
-    block_table i32, out) with the index tensors in the kernels' dtypes (device-side casts only if needed)."""
+    """Validate shapes/dtypes (no sync; the batch metadata through `paged_batch`); return (selected i64,
+    positions i64, qsl i32, seq_lens i32, block_table i32, out) with the index tensors in the kernels' dtypes
+    (device-side casts only if needed)."""
     if q.dim() != 3 or k_data.dim() != 4:
         raise ShapeError(f"q {tuple(q.shape)} must be [T, H, D] and k_data {tuple(k_data.shape)} [NB, BS, KVH, D/2]")
     t, h, d = q.shape
@@ -493,26 +495,17 @@ def _checked(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_dat
                     ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
         if not x.is_contiguous():
             raise ShapeError(f"{name} must be contiguous (call .contiguous() first)")
-    r = seq_lens.shape[0]
-    if seq_lens.dim() != 1 or tuple(query_start_loc.shape) != (r + 1,) or block_table.dim() != 2 \
-            or block_table.shape[0] != r or block_table.stride(1) != 1:
-        raise ShapeError(f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)} and "
-                         f"block_table {tuple(block_table.shape)} must be [R], [R + 1] and [R, max_blocks] "
-                         "(rows contiguous)")
-    if tuple(positions.shape) != (t,):
-        raise ShapeError(f"positions has shape {tuple(positions.shape)}: expected ({t},)")
-    if t and r == 0:
+    pos, qsl, seq, table = paged_batch(positions, query_start_loc, seq_lens, block_table, t, q.device)
+    if block_table.stride(1) != 1:
+        raise ShapeError(f"block_table {tuple(block_table.shape)} must have contiguous rows (call .contiguous())")
+    if t and seq.shape[0] == 0:
         raise ShapeError(f"{t} query rows but no request (seq_lens is empty)")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ShapeError(f"out {tuple(out.shape)} {out.dtype} must be a contiguous tensor like q")
-    for name, x in (("q", q), ("out", out), ("k_data", k_data), ("k_scale", k_scale), ("v_data", v_data),
-                    ("v_scale", v_scale)):
-        if x.data_ptr() % 16:
-            raise ShapeError(f"{name} must start at a 16-byte aligned address (the kernels assume it)")
-    return (selected.to(torch.int64), positions.to(torch.int64), query_start_loc.to(torch.int32),
-            seq_lens.to(torch.int32), block_table.to(torch.int32), out)
+    require_aligned(q=q, out=out, k_data=k_data, k_scale=k_scale, v_data=v_data, v_scale=v_scale)
+    return selected.to(torch.int64), pos, qsl, seq, table, out
 
 
 def _launch_decode(runner: Runner, spec: KernelSpec, q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor,

@@ -100,6 +100,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value
 from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
@@ -593,14 +594,14 @@ def indexer_specs(g: int, d: int, block_size: int, top_k: int, q_dtype: str = "b
             *(_topk_spec(g, block_size, top_k, ch) for ch in TOPK_CH)]
 
 
-def _check(index_q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, positions: torch.Tensor,
-           query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int,
-           top_k: int, max_q_rows: int, deq: str) -> None:
+def _check(index_q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, block_size: int, top_k: int,
+           max_q_rows: int, deq: str) -> None:
+    """The queries, the index-key cache and the launch settings (the batch metadata: `paged_batch`)."""
     if index_q.dim() != 3:
         raise ShapeError(f"index_q has shape {tuple(index_q.shape)}: expected [T, G, D]")
     if index_q.dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"index_q has dtype {index_q.dtype}: expected bfloat16 or float32 (convert it first)")
-    t, _, d = index_q.shape
+    d = index_q.shape[2]
     if d < 32 or d & (d - 1):
         raise ShapeError(f"index head dim {d} must be a power of two >= 32")
     if deq not in DEQ_MODES:
@@ -615,31 +616,11 @@ def _check(index_q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, p
         raise ShapeError(f"k_scale {tuple(k_scale.shape)}: expected float8_e4m3fn [NB, {block_size}, 1, {d // 16}]")
     if not (k_data.is_contiguous() and k_scale.is_contiguous()):
         raise ShapeError("k_data / k_scale must be contiguous (the kernel addresses blocks by their index)")
-    if seq_lens.dim() != 1:
-        raise ShapeError(f"seq_lens has shape {tuple(seq_lens.shape)}: expected [R] (one length per request)")
-    others = (k_data, k_scale, positions, query_start_loc, seq_lens, block_table)
-    if any(x.device != index_q.device for x in others):
-        raise ShapeError(f"every tensor must be on index_q's device {index_q.device}, got "
-                         f"{sorted({str(x.device) for x in others})}")
-    r = seq_lens.shape[0]
-    if block_table.dim() != 2 or block_table.shape[0] != r or tuple(query_start_loc.shape) != (r + 1,):
-        raise ShapeError(f"block_table {tuple(block_table.shape)} / query_start_loc {tuple(query_start_loc.shape)} "
-                         f"do not match {r} requests")
-    if tuple(positions.shape) != (t,):
-        raise ShapeError(f"positions has shape {tuple(positions.shape)}: expected ({t},)")
-    for name, x in (("positions", positions), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                    ("block_table", block_table)):
-        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-            raise ShapeError(f"{name} has dtype {x.dtype}: expected an integer tensor (as BatchMetadata builds it)")
+    if any(x.device != index_q.device for x in (k_data, k_scale)):
+        raise ShapeError(f"k_data / k_scale are on {k_data.device} / {k_scale.device}, index_q on {index_q.device}: "
+                         "move them to one device")
     if top_k < 1 or max_q_rows < 1:
         raise ShapeError(f"top_k={top_k} and max_q_rows={max_q_rows} must be >= 1")
-
-
-def _aligned(**tensors: torch.Tensor) -> None:
-    for name, x in tensors.items():
-        if x.data_ptr() % 16:
-            raise ShapeError(f"{name} must start 16-byte aligned (the compiled kernels assume it): pass a fresh "
-                             "tensor or a .clone()")
 
 
 def msa_indexer(
@@ -672,11 +653,9 @@ def msa_indexer(
     ``selected_out``: optional preallocated outputs. ``chunk_blocks`` overrides the blocks per program
     (a runtime argument). Launch shapes come from tensor sizes only; no host synchronization.
     """
-    _check(index_q, k_data, k_scale, positions, query_start_loc, seq_lens, block_table, block_size, top_k,
-           max_q_rows, deq)
-    positions = positions.to(torch.int64).contiguous()  # the specs' types; no-ops for BatchMetadata's tensors
-    query_start_loc, seq_lens, block_table = (x.to(torch.int32).contiguous()
-                                              for x in (query_start_loc, seq_lens, block_table))
+    _check(index_q, k_data, k_scale, block_size, top_k, max_q_rows, deq)
+    meta = paged_batch(positions, query_start_loc, seq_lens, block_table, index_q.shape[0], index_q.device)
+    positions, query_start_loc, seq_lens, block_table = (x.contiguous() for x in meta)  # no-ops for BatchMetadata
     t, g, d = index_q.shape
     n_req, mb = block_table.shape
     dev = index_q.device
@@ -694,7 +673,7 @@ def msa_indexer(
         index_q = index_q.contiguous()
     if block_table.stride(-1) != 1:
         block_table = block_table.contiguous()
-    _aligned(k_data=k_data, k_scale=k_scale, scores_out=scores, selected_out=selected)
+    require_aligned(k_data=k_data, k_scale=k_scale, scores_out=scores, selected_out=selected)
     q_name = "bf16" if index_q.dtype == torch.bfloat16 else "fp32"
     prefill = is_prefill(t, n_req, max_q_rows)
     if prefill:
