@@ -58,13 +58,13 @@ class SparseAttention(nn.Module):
         """Attention output [T, H, D] in q's dtype (float32 or bf16)."""
         _check_nvfp4("k_cache", k_cache)
         _check_nvfp4("v_cache", v_cache)
-        selected = self.select(index_q, index_k_cache, positions, query_start_loc, seq_lens, block_table)
         if self._kernels(q):
-            from m3c.backends.kernels.msa_attention import msa_sparse_attention
+            from m3c.backends.kernels.msa import msa
 
-            return msa_sparse_attention(q.contiguous(), k_cache.data, k_cache.scale, v_cache.data, v_cache.scale,
-                                        selected, positions, query_start_loc, seq_lens, block_table,
-                                        self.block_size, self.scale)
+            _check_nvfp4("index_k_cache", index_k_cache)  # (the reference path checks it in `select`)
+            return msa(q, index_q, index_k_cache, k_cache, v_cache, positions, query_start_loc, seq_lens,
+                       block_table, self.block_size, self.top_k, self.scale)
+        selected = self.select(index_q, index_k_cache, positions, query_start_loc, seq_lens, block_table)
         return ops.sparse_attention(q, k_cache.data, k_cache.scale, v_cache.data, v_cache.scale, "nvfp4", selected,
                                     positions, query_start_loc, seq_lens, block_table, self.block_size, self.scale)
 

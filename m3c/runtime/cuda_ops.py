@@ -72,14 +72,11 @@ class FamilyLauncher:
 
 def launch_msa(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> torch.Tensor:
     """msa_attention: the indexer (scores + top-k select) then the sparse attention, on nvfp4 caches."""
-    from m3c.backends.kernels.msa_attention import msa_sparse_attention
-    from m3c.backends.kernels.msa_indexer import msa_indexer
+    from m3c.backends.kernels.msa import msa
 
     q, iq, ikc, _, kc, _, vc, _, pos, qsl, seq_lens, table = args
-    bs, top_k = attrs["block_size"], attrs["top_k"]
-    _, selected = msa_indexer(iq, ikc.data, ikc.scale, pos, qsl, seq_lens, table, bs, top_k, runner=runner)
-    return msa_sparse_attention(q.contiguous(), kc.data, kc.scale, vc.data, vc.scale, selected, pos, qsl, seq_lens,
-                                table, bs, attrs["scale"], runner=runner)
+    return msa(q, iq, ikc, kc, vc, pos, qsl, seq_lens, table, attrs["block_size"], attrs["top_k"], attrs["scale"],
+               runner=runner)
 
 
 def launch_moe(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> torch.Tensor:
