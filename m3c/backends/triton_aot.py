@@ -110,17 +110,17 @@ def compile_kernels(specs: list[KernelSpec], backend: str = "cuda", arch: int | 
     children run without it; a single spec outside the interpreter compiles in this process.
     """
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    workers = min(len(specs), os.cpu_count() or 1, 8)
     if not specs:
         return []
+    workers = min(len(specs), os.cpu_count() or 1, 8)  # >= 1
     if workers <= 1 and not interp:
         return [compile_kernel(s, backend, arch, warp_size, target_name) for s in specs]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out: list[CompiledKernel | None] = [None] * len(specs)
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
-        for w in range(max(workers, 1)):
-            mine = list(range(w, len(specs), max(workers, 1)))
+        for w in range(workers):
+            mine = list(range(w, len(specs), workers))
             d = Path(tmp) / str(w)
             d.mkdir()
             job = [{"index": i, "module": specs[i].fn.fn.__module__ if hasattr(specs[i].fn, "fn")
@@ -138,7 +138,7 @@ def compile_kernels(specs: list[KernelSpec], backend: str = "cuda", arch: int | 
             if p.wait():
                 err = (d / "log").read_text()
                 raise KernelCompileError(f"offline kernel compile failed in a child process:\n{err[-3000:]}")
-        for w in range(max(workers, 1)):
+        for w in range(workers):
             d = Path(tmp) / str(w)
             for j in json.loads((d / "job.json").read_text())["specs"]:
                 i = j["index"]
