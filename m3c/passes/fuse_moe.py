@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from m3c.ir.graph import Value
-from m3c.ir.registry import IRTypeError, get_op, infer_types
-from m3c.passes.rewrite import Builder, Check, Match, P, Rewrite, RewritePass, V, X
+from m3c.ir.registry import get_op
+from m3c.passes.rewrite import Builder, Check, Match, P, Rewrite, RewritePass, V, X, op_accepts
 
 PASS_NAME = "fuse_megamoe"
 SHARED_FORMS = ("dequantize", "cast_dequantize", "cast", "plain")
@@ -35,16 +35,6 @@ def _halves(m: Match, split: str) -> bool:
     """The split gives two equal pieces (gate, up)."""
     sizes = m.node(split).attrs["sizes"]
     return len(sizes) == 2 and sizes[0] == sizes[1]
-
-
-def _accepts(operands: list[Value | None], attrs: dict[str, Any]) -> bool:
-    """Whether megamoe's type inference takes these operands (so build never raises)."""
-    op = get_op("megamoe")
-    try:
-        infer_types(op, [None if v is None else v.type for v in operands], op.full_attrs(attrs))
-    except IRTypeError:
-        return False
-    return True
 
 
 # ---- routed: the chain up to the weighted combine ------------------------------------------------
@@ -72,7 +62,7 @@ def _routed_checks(widened: bool) -> list[Check]:
         ]
     else:
         checks.append(Check("the router runs in x's dtype", lambda m: _dtype(m, "logits") == _dtype(m, "x")))
-    checks.append(Check("megamoe accepts the operands", lambda m: _accepts(*_routed_operands(m))))
+    checks.append(Check("megamoe accepts the operands", lambda m: op_accepts("megamoe", *_routed_operands(m))))
     return checks
 
 
@@ -132,7 +122,7 @@ def _shared(form: str) -> Rewrite:
         Check("the shared gate/up split has two equal halves", lambda m: _halves(m, "split")),
         Check("the shared weights enter the linears in x's dtype",
               lambda m: all(_dtype(m, n) == _dtype(m, "x") for n in (full if form != "plain" else ("sw13", "sw2")))),
-        Check("megamoe accepts the shared operands", lambda m: _accepts(*_shared_operands(m))),
+        Check("megamoe accepts the shared operands", lambda m: op_accepts("megamoe", *_shared_operands(m))),
     ]
 
     def build(m: Match, b: Builder) -> list[Value]:

@@ -22,8 +22,7 @@ from typing import Any
 
 from m3c.ir.graph import Value
 from m3c.ir.ops.fused_msa import MSA_OPERANDS
-from m3c.ir.registry import IRTypeError, get_op, infer_types
-from m3c.passes.rewrite import Builder, Check, Match, P, Rewrite, RewritePass, V, X
+from m3c.passes.rewrite import Builder, Check, Match, P, Rewrite, RewritePass, V, X, op_accepts
 
 PASS_NAME = "fuse_msa_attention"
 META = ("positions", "query_start_loc", "seq_lens", "block_table")
@@ -39,7 +38,7 @@ def _rewrite(index_scale: bool, kv_scales: bool) -> Rewrite:
                   X("v_cache"), X("v_scale") if kv_scales else None, selected, *meta, name="attention",
                   block_size=V("block_size"), scale=V("scale"))
     name = "msa" + ("_indexscale" if index_scale else "") + ("_kvscale" if kv_scales else "")
-    return Rewrite(name, attention, _build, where=[Check("msa_attention accepts the operands", _accepts)],
+    return Rewrite(name, attention, _build, where=[Check("msa_attention accepts the operands", _accepts_operands)],
                    doc="indexer_block_scores → select_blocks → sparse_attention as one msa_attention")
 
 
@@ -52,13 +51,8 @@ def _attrs(m: Match) -> dict[str, Any]:
     return {"block_size": m["block_size"], "top_k": m["top_k"], "scale": m["scale"]}
 
 
-def _accepts(m: Match) -> bool:
-    """Whether msa_attention's (stricter) type checks pass, so the rewrite declines instead of failing."""
-    try:
-        infer_types(get_op("msa_attention"), [None if v is None else v.type for v in _operands(m)], _attrs(m))
-    except IRTypeError:
-        return False
-    return True
+def _accepts_operands(m: Match) -> bool:
+    return op_accepts("msa_attention", _operands(m), _attrs(m))
 
 
 def _build(m: Match, b: Builder) -> Sequence[Value]:

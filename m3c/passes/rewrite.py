@@ -34,13 +34,13 @@ from m3c.errors import M3CError
 from m3c.ir.analysis import accesses, moves_effect, would_create_cycle
 from m3c.ir.graph import Graph, Node, Value
 from m3c.ir.ops.infer import dims_equal
-from m3c.ir.registry import get_op, infer_types
+from m3c.ir.registry import IRTypeError, get_op, infer_types
 from m3c.passes import effects
 from m3c.passes.manager import Pass, PassContext, PassResult
 from m3c.passes.pattern import Check, Match, Out, P, Tracker, V, X, match_node, node_at, node_label, run_checks
 
 __all__ = ["Builder", "Check", "Match", "MatchRecord", "Out", "P", "Rewrite", "RewriteError", "RewritePass", "V",
-           "X", "apply_rewrites", "node_label", "same_type"]
+           "X", "apply_rewrites", "node_label", "op_accepts", "same_type"]
 
 
 class RewriteError(M3CError, RuntimeError):
@@ -140,6 +140,17 @@ class Rewrite:
     def root_nodes(self, m: Match) -> list[Node]:
         """The matched root nodes, in root order."""
         return [m.node_of(r) for r in self._roots]  # type: ignore[misc]
+
+
+def op_accepts(op: str, operands: Sequence[Value | None], attrs: dict[str, Any]) -> bool:
+    """Whether `op`'s type inference takes these operands and attributes (defaults filled in): a rewrite's
+    check for a replacement op stricter than the chain it matches, so the build never raises."""
+    opdef = get_op(op)
+    try:
+        infer_types(opdef, [None if v is None else v.type for v in operands], opdef.full_attrs(attrs))
+    except IRTypeError:
+        return False
+    return True
 
 
 def same_type(a: Value, b: Value) -> bool:
