@@ -1,9 +1,11 @@
-"""Host-side facts every kernel launcher asks: whether Triton runs in its CPU interpreter, and the SM count."""
+"""Host-side facts and helpers every kernel launcher uses: whether Triton runs in its CPU interpreter, the SM
+count, and tensors derived from a weight once (not at every step)."""
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -20,3 +22,18 @@ def num_sms(device: torch.device, cpu_default: int = 132) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return cpu_default
+
+
+def derived(source: torch.Tensor, tag: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, kept on `source` under `tag` (so it lives as long as `source`) and rebuilt only when
+    `source` changes in place (its version counter): a per-step launcher converts a weight once, not at
+    every step."""
+    cache = getattr(source, "_m3c_derived", None)
+    if cache is None:
+        cache = {}
+        source._m3c_derived = cache  # type: ignore[attr-defined]
+    hit = cache.get(tag)
+    if hit is None or hit[0] != source._version:
+        hit = (source._version, make())
+        cache[tag] = hit
+    return hit[1]

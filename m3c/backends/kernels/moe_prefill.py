@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_tiny, e8m0_to_f32
-from m3c.backends.kernels.host import interpreting
+from m3c.backends.kernels.host import derived, interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -692,8 +692,10 @@ def _weight_args(w: Any, fmt: str, shape: tuple[int, ...], who: str) -> tuple[to
         if g is None or g.numel() not in (1, lead[0], rows):
             raise ShapeError(f"{who}: NVFP4 routed weights need a float32 global_scale per tensor, per expert or "
                              f"per row ({(*lead, 1)}), got {None if g is None else tuple(g.shape)}")
-        if g.numel() != rows:  # per-tensor / per-expert (ModelOpt) scales: one value per row, on the device
-            g = g.to(torch.float32).reshape(-1, 1).expand(lead[0], rows // lead[0]).reshape(*lead, 1)
+        if g.numel() != rows:  # per-tensor / per-expert (ModelOpt) scales: one value per row, made once per weight
+            src = g
+            g = derived(src, f"rows {tuple(lead)}", lambda: src.to(torch.float32).reshape(-1, 1).expand(
+                lead[0], rows // lead[0]).reshape(*lead, 1).contiguous())
         g = g.to(torch.float32).reshape(*lead, 1).contiguous()
     elif fmt == "mxfp8":
         want = [((*lead, k), torch.float8_e4m3fn, w.data), ((*lead, k // 32), torch.uint8, w.scale)]

@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 import m3c.model_defs.ops  # noqa: F401  (registers torch.ops.m3c.topk / mxfp8_dequantize)
-from m3c.backends.kernels.host import interpreting
+from m3c.backends.kernels.host import derived, interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs import quant
@@ -65,21 +65,13 @@ class ExpertSegments:
 def gate_weight(gate_w: torch.Tensor | quant.MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The router weight [E, H] as a `dtype` matrix (bf16 / float tensors, or MXFP8 dequantized).
 
-    A tensor's conversion is kept on the tensor (so it lives as long as the tensor) while the tensor is
-    unchanged (its version counter): the per-step routing does not convert the same weight again (1.5 MB
-    at 64 experts × 6144 per layer).
+    A tensor's conversion is made once per weight version (:func:`~m3c.backends.kernels.host.derived`): the
+    per-step routing does not convert the same weight again (1.5 MB at 64 experts × 6144 per layer).
     """
     if isinstance(gate_w, quant.MXFP8Tensor):
         return torch.ops.m3c.mxfp8_dequantize(gate_w.data, gate_w.scale).to(dtype)
     if isinstance(gate_w, torch.Tensor):
-        if gate_w.dtype == dtype:
-            return gate_w
-        stamp = (gate_w._version, dtype)
-        hit = getattr(gate_w, "_m3c_converted", None)
-        if hit is None or hit[0] != stamp:
-            hit = (stamp, gate_w.to(dtype))
-            gate_w._m3c_converted = hit  # type: ignore[union-attr]
-        return hit[1]
+        return gate_w if gate_w.dtype == dtype else derived(gate_w, f"as {dtype}", lambda: gate_w.to(dtype))
     raise ShapeError(f"gate weight of type {type(gate_w).__name__}: pass a bf16 tensor [E, H] or an MXFP8Tensor")
 
 
