@@ -57,6 +57,7 @@ import triton.language as tl
 
 from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, e4m3_to_f32, e8m0_to_f32
 from m3c.backends.kernels.host import interpreting, num_sms
+from m3c.backends.kernels.moe_prefill import nvfp4_row_scales
 from m3c.backends.kernels.moe_routing import ExpertSegments
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
@@ -412,15 +413,6 @@ def _check_nvfp4(w: Any, e: int | None, n: int | None, k: int | None, name: str)
     return we, wn, wk
 
 
-def _row_scales(w: quant.NVFP4Tensor) -> torch.Tensor:
-    """The tensor scale as float32 [E, N] (broadcast from a per-tensor / per-expert scale if needed)."""
-    e, n = w.data.shape[:2]
-    g = w.global_scale.to(torch.float32)
-    if g.numel() == e * n:
-        return g.reshape(e, n)
-    return g.reshape(-1, 1).expand(e, n) if g.numel() == e else g.reshape(1, 1).expand(e, n)
-
-
 def _shared_args(w: Any, fmt: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if fmt == "mxfp8":
         return w.data.view(torch.uint8), w.scale
@@ -480,8 +472,10 @@ def moe_decode(x: torch.Tensor, seg: ExpertSegments, topk_weights: torch.Tensor,
     sw2, sw2s = _shared_args(shared_w2, fmt, x)
     n_items = (s // tiles.bn1 + h // tiles.bn2 if s else 0) + seg.max_active * (inter // tiles.bn1 + h // tiles.bn2)
     grid = (max(1, min(programs or PROGRAMS_PER_SM * num_sms(x.device, cpu_default=2), n_items)),)
-    args = [x.contiguous(), w13.data, w13.scale.view(torch.uint8), _row_scales(w13).contiguous(), w2.data,
-            w2.scale.view(torch.uint8), _row_scales(w2).contiguous(), sw1, sw1s, sw2, sw2s,
+    g13 = nvfp4_row_scales(w13, tuple(w13.data.shape[:2]), "w13")  # [E, N, 1]: the kernel reads it as [E, N]
+    g2 = nvfp4_row_scales(w2, tuple(w2.data.shape[:2]), "w2")
+    args = [x.contiguous(), w13.data, w13.scale.view(torch.uint8), g13, w2.data, w2.scale.view(torch.uint8), g2,
+            sw1, sw1s, sw2, sw2s,
             topk_weights.contiguous(), seg.sorted_pairs, seg.slot_expert, seg.slot_start, seg.slot_count,
             seg.num_active, ws.act, ws.sact, ws.part, ws.counters, out, t, seg.max_active]
     runner(spec, grid, args)

@@ -681,22 +681,28 @@ def _fmt_of(w: Any, who: str) -> str:
                      f"{type(w).__name__}{'' if not isinstance(w, torch.Tensor) else ' ' + str(w.dtype)}")
 
 
+def nvfp4_row_scales(w: NVFP4Tensor, lead: tuple[int, ...], who: str) -> torch.Tensor:
+    """`w`'s float32 tensor scale per row, contiguous [*lead, 1] (lead: [E, N]): a per-tensor or per-expert
+    (ModelOpt) scale is expanded once per scale-tensor version, not at every call."""
+    g = w.global_scale
+    rows = math.prod(lead)
+    if g is None or g.numel() not in (1, lead[0], rows):
+        raise ShapeError(f"{who}: NVFP4 routed weights need a float32 global_scale per tensor, per expert or "
+                         f"per row ({(*lead, 1)}), got {None if g is None else tuple(g.shape)}")
+    if g.numel() != rows:
+        src = g
+        g = derived(src, f"rows {lead}", lambda: src.to(torch.float32).reshape(-1, 1).expand(
+            lead[0], rows // lead[0]).reshape(*lead, 1).contiguous())
+    return g.to(torch.float32).reshape(*lead, 1).contiguous()
+
+
 def _weight_args(w: Any, fmt: str, shape: tuple[int, ...], who: str) -> tuple[torch.Tensor, torch.Tensor,
                                                                              torch.Tensor | None]:
     """(data, block scales, per-row tensor scale) pointers of a weight of logical shape `shape` ([..., N, K])."""
     *lead, k = shape
     if fmt == "nvfp4":
         want = [((*lead, k // 2), torch.uint8, w.data), ((*lead, k // 16), torch.float8_e4m3fn, w.scale)]
-        g = w.global_scale
-        rows = math.prod(lead)
-        if g is None or g.numel() not in (1, lead[0], rows):
-            raise ShapeError(f"{who}: NVFP4 routed weights need a float32 global_scale per tensor, per expert or "
-                             f"per row ({(*lead, 1)}), got {None if g is None else tuple(g.shape)}")
-        if g.numel() != rows:  # per-tensor / per-expert (ModelOpt) scales: one value per row, made once per weight
-            src = g
-            g = derived(src, f"rows {tuple(lead)}", lambda: src.to(torch.float32).reshape(-1, 1).expand(
-                lead[0], rows // lead[0]).reshape(*lead, 1).contiguous())
-        g = g.to(torch.float32).reshape(*lead, 1).contiguous()
+        g = nvfp4_row_scales(w, tuple(lead), who)
     elif fmt == "mxfp8":
         want = [((*lead, k), torch.float8_e4m3fn, w.data), ((*lead, k // 32), torch.uint8, w.scale)]
         g = None
