@@ -24,7 +24,7 @@ from m3c.backends.kernels.moe_routing import gate_weight
 from m3c.errors import ShapeError
 from m3c.model_defs import quant
 from m3c.model_defs.config import M3Config, QuantScheme
-from m3c.model_defs.layers import MoE
+from m3c.model_defs.layers import MoE, routed_experts
 from m3c.model_defs.presets import m31_small, m31_tiny
 
 
@@ -105,10 +105,8 @@ class MegaMoE(nn.Module):
         ids, weights = moe_route(x, self.gate_w32, self.bias, top_k=self.top_k,
                                  routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob)
         w13, w2, s13, s2 = self.weights()
-        gu = torch.ops.m3c.grouped_gemm(x, ids, w13.data, w13.scale, w13.global_scale, "nvfp4")
-        g, u = gu.chunk(2, dim=-1)
-        down = torch.ops.m3c.grouped_gemm(F.silu(g) * u, ids, w2.data, w2.scale, w2.global_scale, "nvfp4")
-        out = (down * weights.to(down.dtype).unsqueeze(-1)).sum(dim=1)
+        out = routed_experts(x, ids, weights, (w13.data, w13.scale, w13.global_scale),
+                             (w2.data, w2.scale, w2.global_scale), "nvfp4")
         if s13 is not None:
             def deq(w: Any) -> torch.Tensor:
                 return (quant.mxfp8_dequantize(w) if isinstance(w, quant.MXFP8Tensor) else w).to(x.dtype)

@@ -83,6 +83,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1)
 
 
+def routing_dtype(x: torch.Tensor) -> torch.dtype:
+    """The MoE router's dtype for tokens x: at least float32 (float64 models route in float64)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def route(xr: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids [T, k], topk_weights [T, k]): sigmoid router scores, top-k of scores + correction bias (ties
+    to the smaller expert), the chosen scores normalized (optionally) and scaled. The tokens `xr` [T, H] and
+    `gate_w` [E, H] are already in ``routing_dtype`` of the model's tokens."""
+    scores = torch.sigmoid(F.linear(xr, gate_w))
+    _, ids = torch.ops.m3c.topk(scores + bias, top_k)
+    weights = torch.gather(scores, 1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * routed_scaling_factor
+
+
+def routed_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple, w2: tuple,
+                   fmt: str) -> torch.Tensor:
+    """sum_j weights[:, j] · W2_e (SiLU(gate) · up), (gate, up) = W13_e x, e = ids[:, j]: the routed SwiGLU
+    experts. `w13` / `w2` are (weight, block scale, tensor scale) as ``torch.ops.m3c.grouped_gemm`` takes them."""
+    gate, up = torch.ops.m3c.grouped_gemm(x, ids, *w13, fmt).chunk(2, dim=-1)
+    down = torch.ops.m3c.grouped_gemm(F.silu(gate) * up, ids, *w2, fmt)
+    return (down * weights.to(down.dtype).unsqueeze(-1)).sum(dim=1)
+
+
 class MoE(nn.Module):
     """Sigmoid router with score-correction bias, top-k, normalized × scaled weights, SwiGLU experts, shared expert."""
 
@@ -106,25 +133,15 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids [T, k], topk_weights [T, k]) for tokens x [T, H]."""
         cfg = self.cfg
-        dt = torch.promote_types(x.dtype, torch.float32)  # routing in at least float32 (float64 models: float64)
-        logits = F.linear(x.to(dt), self.gate.dequantized(dt))
-        scores = torch.sigmoid(logits)
-        _, ids = torch.ops.m3c.topk(scores + self.e_score_correction_bias, cfg.num_experts_per_tok)
-        weights = torch.gather(scores, 1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * cfg.routed_scaling_factor
+        xr = x.to(routing_dtype(x))
+        return route(xr, self.gate.dequantized(xr.dtype), self.e_score_correction_bias, cfg.num_experts_per_tok,
+                     cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """MoE output [T, H] for tokens x [T, H]."""
         ids, weights = self.route(x)
-        w13s, w13g = self.w13.scale_tensors()
-        gate_up = torch.ops.m3c.grouped_gemm(x, ids, self.w13.weight, w13s, w13g, self.w13.fmt)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        w2s, w2g = self.w2.scale_tensors()
-        down = torch.ops.m3c.grouped_gemm(act, ids, self.w2.weight, w2s, w2g, self.w2.fmt)
-        out = (down * weights.to(down.dtype).unsqueeze(-1)).sum(dim=1)
+        out = routed_experts(x, ids, weights, (self.w13.weight, *self.w13.scale_tensors()),
+                             (self.w2.weight, *self.w2.scale_tensors()), self.w13.fmt)
         if self.shared is not None:
             sg, su = self.shared[0](x).chunk(2, dim=-1)
             out = out + self.shared[1](F.silu(sg) * su)

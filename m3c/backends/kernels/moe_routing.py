@@ -34,7 +34,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -44,6 +43,7 @@ from m3c.backends.kernels.host import derived, interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs import quant
+from m3c.model_defs.layers import route, routing_dtype
 
 
 @dataclass
@@ -77,11 +77,11 @@ def gate_weight(gate_w: torch.Tensor | quant.MXFP8Tensor, dtype: torch.dtype) ->
 
 def moe_route(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, *, top_k: int,
               routed_scaling_factor: float, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_ids int64 [T, k], topk_weights [T, k]) exactly as ``MoE.route`` (float32; float64 for float64 x)."""
+    """(topk_ids int64 [T, k], topk_weights [T, k]) exactly as ``MoE.route`` (the same
+    :func:`m3c.model_defs.layers.route`; float32, float64 for float64 x), after checking the shapes."""
     if x.dim() != 2:
         raise ShapeError(f"x has shape {tuple(x.shape)}: expected [T, H] tokens")
-    dt = torch.promote_types(x.dtype, torch.float32)
-    w = gate_weight(gate_w, dt)
+    w = gate_weight(gate_w, routing_dtype(x))
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ShapeError(f"gate weight {tuple(w.shape)} does not match x {tuple(x.shape)}: expected [E, {x.shape[1]}]")
     e = w.shape[0]
@@ -89,12 +89,7 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: t
         raise ShapeError(f"e_score_correction_bias has shape {tuple(bias.shape)}: expected ({e},)")
     if not 1 <= top_k <= e:
         raise ShapeError(f"top_k={top_k} must be in [1, {e}] (the number of experts)")
-    scores = torch.sigmoid(F.linear(x.to(dt), w))
-    _, ids = torch.ops.m3c.topk(scores + bias, top_k)
-    weights = torch.gather(scores, 1, ids)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * routed_scaling_factor
+    return route(x.to(w.dtype), w, bias, top_k, norm_topk_prob, routed_scaling_factor)
 
 
 def expert_segments(topk_ids: torch.Tensor, num_experts: int) -> ExpertSegments:
