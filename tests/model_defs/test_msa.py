@@ -184,9 +184,10 @@ def test_output_ignores_unselected_keys(rng: torch.Generator) -> None:
         k2, v2 = k + 10 * _randn(rng, *k.shape) * ~seen[..., None], v + 10 * _randn(rng, *v.shape) * ~seen[..., None]
         assert torch.equal(msa_attention(q, k2, v2, sel, pos, bs, scale=0.2)[i], out[i])
         j, g = int(pos[i]), int(torch.randint(0, kvh, (1,), generator=rng))  # the own key is always selected
-        k3 = k.clone()
-        k3[j, g] += 1.0 + _randn(rng, 16)
-        changed = msa_attention(q, k3, v, sel, pos, bs, scale=0.2)[i]
+        k3, v3 = k.clone(), v.clone()  # its key and value both: a row whose only visible key is its own
+        k3[j, g] += 1.0 + _randn(rng, 16)  # (position 0) has softmax weight 1 whatever that key is
+        v3[j, g] += 1.0 + _randn(rng, 8)
+        changed = msa_attention(q, k3, v3, sel, pos, bs, scale=0.2)[i]
         group = slice(g * h // kvh, (g + 1) * h // kvh)
         assert not torch.allclose(changed[group], out[i, group], rtol=1e-9, atol=1e-9)
         rest = torch.ones(h, dtype=torch.bool)
