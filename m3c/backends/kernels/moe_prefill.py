@@ -68,7 +68,15 @@ import torch
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_tiny, e8m0_to_f32
+from m3c.backends.kernels.fp_codes import (
+    TWO_120,
+    e2m1_nibble_tiny,
+    e2m1_tiny,
+    e4m3_big,
+    e4m3_tiny,
+    e8m0_to_f32,
+    to_stored,
+)
 from m3c.backends.kernels.host import derived, interpreting
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
@@ -166,7 +174,7 @@ def _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
     a = g * tl.sigmoid(g) * u
     cols = n0 + tl.arange(0, BN)
     ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * N + cols[None, :]
-    tl.store(ptrs, a.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(ptrs, to_stored(a, out_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -185,7 +193,7 @@ def _fc2_tile(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
     acc = acc * _row_mul(wg_ptr, rw, FMT)[None, :] * wt[:, None]
     cols = n0 + tl.arange(0, BN)
     ptrs = y_ptr + yrows.to(tl.int64)[:, None] * H + cols[None, :]
-    tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(ptrs, to_stored(acc, y_ptr.dtype.element_ty), mask=valid[:, None])
 
 
 # GEMV tiles (few rows per expert): CUDA-core FMAs over weights decoded once per program, no tensor cores.
@@ -369,7 +377,7 @@ def _silu_mul_row(g, u, mg, mu, out_ptr, orow, ok, cols, N: tl.constexpr):
     gv = _row_sum(g) * mg
     uv = _row_sum(u) * mu
     a = gv * tl.sigmoid(gv) * uv
-    tl.store(out_ptr + orow.to(tl.int64) * N + cols, a.to(out_ptr.dtype.element_ty), mask=cols * 0 + ok > 0)
+    tl.store(out_ptr + orow.to(tl.int64) * N + cols, to_stored(a, out_ptr.dtype.element_ty), mask=cols * 0 + ok > 0)
 
 
 @triton.jit
@@ -407,7 +415,7 @@ def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
 def _scaled_row(c, m, w, y_ptr, yrow, ok, cols, H: tl.constexpr):
     """y[yrow, cols] = rowsum(c) · m · w for FMA accumulators c [BN, G, 2, 8]."""
     v = _row_sum(c) * m * w
-    tl.store(y_ptr + yrow.to(tl.int64) * H + cols, v.to(y_ptr.dtype.element_ty), mask=cols * 0 + ok > 0)
+    tl.store(y_ptr + yrow.to(tl.int64) * H + cols, to_stored(v, y_ptr.dtype.element_ty), mask=cols * 0 + ok > 0)
 
 
 @triton.jit
@@ -512,7 +520,7 @@ def moe_combine_kernel(y_ptr, ids_ptr, out_ptr, T, H: tl.constexpr, TOPK: tl.con
             use = ok & (e >= 0) & (e < E)
         v = tl.load(y_ptr + (r64 * SLOTS + j)[:, None] * H + cols[None, :], mask=use[:, None], other=0.0)
         acc += v.to(tl.float32)
-    tl.store(out_ptr + r64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(out_ptr + r64[:, None] * H + cols[None, :], to_stored(acc, out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------

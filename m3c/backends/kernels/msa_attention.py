@@ -78,7 +78,7 @@ import triton
 import triton.language as tl
 
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
-from m3c.backends.kernels.fp_codes import e2m1_to_f32, e4m3_to_f32
+from m3c.backends.kernels.fp_codes import e2m1_to_f32, e4m3_to_f32, to_stored
 from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
@@ -97,16 +97,6 @@ def _dequant_rows(data_ptr, scale_ptr, tok, rmask, BLOCK_N: tl.constexpr, D2: tl
 
 
 @triton.jit
-def _to_out(x, ty: tl.constexpr):
-    """float32 -> the output dtype; bf16 rounds to nearest-even in integer arithmetic (the interpreter truncates)."""
-    if ty == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # now exact in bf16
-    return x.to(ty)
-
-
-@triton.jit
 def _store_out(out_ptr, q_off, hmask, o_lo, o_hi, l_sum):
     """Normalize by l (rows with l == 0, i.e. no visible key, give 0) and store even/odd columns."""
     ok = l_sum > 0.0
@@ -114,8 +104,8 @@ def _store_out(out_ptr, q_off, hmask, o_lo, o_hi, l_sum):
     ty: tl.constexpr = out_ptr.dtype.element_ty
     lo = tl.where(ok[:, None], tl.math.div_rn(o_lo, den), 0.0)
     hi = tl.where(ok[:, None], tl.math.div_rn(o_hi, den), 0.0)
-    tl.store(out_ptr + q_off, _to_out(lo, ty), mask=hmask[:, None])
-    tl.store(out_ptr + q_off + 1, _to_out(hi, ty), mask=hmask[:, None])
+    tl.store(out_ptr + q_off, to_stored(lo, ty), mask=hmask[:, None])
+    tl.store(out_ptr + q_off + 1, to_stored(hi, ty), mask=hmask[:, None])
 
 
 @triton.jit

@@ -12,6 +12,7 @@ from m3c.backends.kernels.fp_codes import (
     e4m3_to_f32,
     e4m3_value,
     e8m0_to_f32,
+    to_stored,
 )
 from m3c.model_defs import quant
 
@@ -99,3 +100,24 @@ def test_fma_decoders_are_exact(rng: torch.Generator) -> None:
     want = torch.arange(n).to(torch.uint8).view(torch.float8_e4m3fn).float()
     nan = want.isnan()
     assert torch.equal(sc.isnan(), nan) and torch.equal(sc[~nan], want[~nan])
+
+
+@triton.jit
+def _store_kernel(src_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, to_stored(tl.load(src_ptr + i), out_ptr.dtype.element_ty))
+
+
+def test_to_stored_rounds_bf16_to_nearest_even(rng: torch.Generator) -> None:
+    """float32 -> bf16 stores equal torch's round-to-nearest-even (ties, overflow to inf, inf, NaN), also in
+    the interpreter, whose own cast truncates."""
+    x = torch.randn(256, generator=rng) * torch.exp2(torch.randint(-20, 20, (256,), generator=rng).float())
+    ties = (0x3F800000 | (torch.randint(0, 128, (8,), generator=rng) << 16) | 0x8000).to(torch.int32)
+    x[:8] = ties.view(torch.float32)  # exactly halfway between two bf16 values
+    x[8:14] = torch.tensor([3.4e38, -3.4e38, float("inf"), float("-inf"), 0.0, -0.0])
+    x[14] = float("nan")
+    out = torch.zeros(256, dtype=torch.bfloat16)
+    _store_kernel[(1,)](x, out, N=256)
+    want = x.to(torch.bfloat16)
+    assert torch.equal(out[:14], want[:14]) and torch.equal(out[15:], want[15:]) and out[14].isnan()
+    assert torch.equal(out[8:10].float().abs(), torch.full((2,), float("inf")))  # rounds up past bf16's max
