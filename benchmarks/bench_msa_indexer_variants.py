@@ -74,8 +74,8 @@ def time_topk(scores: torch.Tensor, pos: torch.Tensor, sel: torch.Tensor) -> flo
     return bench_graph(lambda: jit_run(spec, (t,), (scores, pos, sel, mb)))
 
 
-def run_decode(ctx: int, batch: int, max_q_rows: int) -> list[dict]:
-    """All dequant paths at one (context, batch) point, 1 row per request (tiles sized for max_q_rows)."""
+def run_decode(ctx: int, batch: int, max_q_rows: int, modes: tuple[str, ...] = DEQ_MODES) -> list[dict]:
+    """The dequant paths `modes` at one (context, batch) point, 1 row per request (tiles sized for max_q_rows)."""
     gen = torch.Generator(device="cuda").manual_seed(ctx + batch)
     c = make_cache(ctx, batch, gen)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
@@ -88,7 +88,7 @@ def run_decode(ctx: int, batch: int, max_q_rows: int) -> list[dict]:
     floor_ms = batch * ctx * (D // 2 + D // 16) / READ_BW * 1e3
     sdpa = dense_sdpa_ms(1, ctx, batch)
     rows = []
-    for deq in DEQ_MODES:
+    for deq in modes:
         scores = torch.empty((batch, 1, mb), dtype=torch.float32, device="cuda")
         sel = torch.empty((batch, 1, TOPK), dtype=torch.int64, device="cuda")
 
@@ -158,6 +158,8 @@ def main() -> None:
     ap.add_argument("--fma-rows", type=int, default=mi.FMA_ROWS, help='"fma": query rows per tile (at most)')
     ap.add_argument("--fma-stages", type=int, default=mi.FMA_STAGES,
                     help='"fma": software-pipeline stages of the block loop (1: none)')
+    ap.add_argument("--deq", nargs="+", choices=DEQ_MODES, default=list(DEQ_MODES), help="dequant paths to time")
+    ap.add_argument("--no-prefill", action="store_true", help="decode points only")
     args = ap.parse_args()
     # read by the spec builder
     mi.FMA_KEYS, mi.FMA_WARPS, mi.FMA_ROWS, mi.FMA_STAGES = args.fma_keys, args.fma_warps, args.fma_rows, args.fma_stages
@@ -165,10 +167,11 @@ def main() -> None:
     batches = (1,) if args.quick else (1, 8)
     rows: list[dict] = []
     points = [("decode", c, b) for b in batches for c in ctxs]
-    points += [("prefill", c, 1) for c in ((131072,) if args.quick else (131072, 1 << 20))]
+    if not args.no_prefill:
+        points += [("prefill", c, 1) for c in ((131072,) if args.quick else (131072, 1 << 20))]
     for phase, ctx, batch in points:
         record_point(rows, {"phase": phase, "context": ctx, "batch": batch},
-                     lambda p=phase, c=ctx, b=batch: run_decode(c, b, args.max_q_rows) if p == "decode" else run_prefill(c))
+                     lambda p=phase, c=ctx, b=batch: run_decode(c, b, args.max_q_rows, tuple(args.deq)) if p == "decode" else run_prefill(c))
     write_results("msa_indexer_variants", rows)
     print(f"\n{'phase':>7} {'ctx':>8} {'B':>2} {'deq':>9} {'us':>9} {'topk':>7} {'floor':>8} {'%floor':>7} "
           f"{'xdense':>7} {'sel==':>6} {'rows==':>6}")
