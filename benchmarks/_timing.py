@@ -29,6 +29,21 @@ def bench_graph(fn: Callable[[], Any], rep: int = 100) -> float:
         return float("nan")
 
 
+def kernel_times(fn: Callable[[], Any], calls: int = 20) -> dict[str, float]:
+    """Mean device µs per call of each GPU kernel fn launches (torch.profiler; fn warmed up first): where a
+    call's time goes, apart from the gaps between launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def record_point(rows: list[dict], key: dict, fn: Callable[[], dict | list[dict]]) -> None:
     """Append fn()'s row (or rows) to `rows`; if it raises, append ``key | {"error": ...}`` (printed) instead, so
     one failing point is recorded in the table and the rest still run; then free the cached GPU memory."""

@@ -15,11 +15,13 @@ each one runs, apart from the launch gaps between them.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _timing import kernel_times
 from bench_msa import BS, TOPK, D, make_batch
 
 from m3c.backends.kernels.megamoe import megamoe
@@ -28,48 +30,42 @@ from m3c.backends.kernels.msa_indexer import msa_indexer
 from m3c.fused.moe import MegaMoE, random_moe
 
 
-def moe(t: int, calls: int = 3) -> None:
+def moe(t: int) -> Callable[[], None]:
+    """MegaMoE at t tokens (weights and inputs made once): one call = routing + grouped GEMMs."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     m = random_moe(6144, 1536, 64, 8, "mxfp8", gen, "cuda")
     w13, w2, s13, s2 = MegaMoE.from_reference(m).weights()
     x = torch.randn(t, 6144, device="cuda", generator=gen).bfloat16()
-    for _ in range(calls):
-        megamoe(x, m.gate.weight, m.e_score_correction_bias, w13, w2, s13, s2, top_k=8, routed_scaling_factor=2.5,
-                norm_topk_prob=True)
+    return lambda: megamoe(x, m.gate.weight, m.e_score_correction_bias, w13, w2, s13, s2, top_k=8,
+                           routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
-def msa(part: str, calls: int = 3) -> None:
+def msa(part: str) -> Callable[[], None]:
+    """MSA decode at 1M tokens, batch 1 (caches made once): the indexer, plus the attention for "attn"."""
     b = make_batch(1 << 20, 1, 1)
     scores = torch.empty((1, 1, (1 << 20) // BS), dtype=torch.float32, device="cuda")
     sel = torch.empty((1, 1, TOPK), dtype=torch.int64, device="cuda")
-    for _ in range(calls):
+
+    def call() -> None:
         msa_indexer(b["iq"], b["ikd"], b["iks"], b["pos"], b["qsl"], b["seq"], b["table"], BS, TOPK,
                     scores_out=scores, selected_out=sel)
         if part == "attn":
             msa_sparse_attention(b["q"], b["kd"], b["ks"], b["vd"], b["vs"], sel, b["pos"], b["qsl"], b["seq"],
                                  b["table"], BS, D**-0.5)
+    return call
 
 
-TARGETS = {"moe1": lambda n: moe(1, n), "moe16": lambda n: moe(16, n), "indexer1m": lambda n: msa("indexer", n),
-           "attn1m": lambda n: msa("attn", n)}
+TARGETS = {"moe1": lambda: moe(1), "moe16": lambda: moe(16), "indexer1m": lambda: msa("indexer"),
+           "attn1m": lambda: msa("attn")}
 
 
 def trace(which: str, calls: int = 20) -> None:
-    """Print each GPU kernel's mean device time per call of the target (after a warm-up run)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    TARGETS[which](3)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        TARGETS[which](calls)
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / calls, e.count / calls) for e in prof.key_averages()
-            if e.device_time_total > 0]
-    rows.sort(key=lambda r: -r[1])
+    """Print each GPU kernel's mean device time per call of the target."""
+    times = kernel_times(TARGETS[which](), calls)
     print(f"{which}: per call, mean over {calls} calls (µs of device time)")
-    for name, us, n in rows:
-        print(f"  {us:9.2f}  x{n:4.1f}  {name[:100]}")
-    print(f"  {sum(r[1] for r in rows):9.2f}  total")
+    for name, us in times.items():
+        print(f"  {us:9.2f}  {name[:100]}")
+    print(f"  {sum(times.values()):9.2f}  total")
 
 
 if __name__ == "__main__":
@@ -77,6 +73,8 @@ if __name__ == "__main__":
     if "--trace" in sys.argv:
         trace(which)
     else:
-        TARGETS[which](3)
+        call = TARGETS[which]()
+        for _ in range(3):
+            call()
         torch.cuda.synchronize()
     print("done", which)

@@ -72,8 +72,11 @@ Kernel 2 ``topk_blocks_kernel``, one program per (query row, group): streams the
 blocks 0..own (later blocks hold only future keys, hence -inf; CAUSAL=False scans all) in chunks of
 CH, packing each score and its index into one int64 key (order-preserving float bits << 32 |
 (2^31 - 1 - index)) so one max-reduction yields the best score with ties to the smaller index. A
-running set of top_k - 1 keys is kept in registers; per chunk, while the chunk's best key beats the
-set's minimum it replaces it (at most top_k - 1 times a chunk: no sort). CH is bucketed over the
+set of top_k - 1 keys is kept in registers. The first chunk fills it with its top_k - 1 best keys, one
+max-reduction each (the reductions are the cost: a block-wide one is a few hundred cycles, so the
+earlier "replace the set's minimum" loop, ~4 reductions a step, took 17.7 µs at 8,192 blocks and 7.4
+µs at 256 on the H200); each later chunk, while its best key beats the set's minimum, replaces it (at
+most top_k - 1 times a chunk: no sort). CH is bucketed over the
 block-table width (``TOPK_CH``: 1,024, or 8,192 = a 1M-token row in one chunk, 16 warps, no spills on
 sm_90); wider tables take several chunks. The own block is excluded from candidates and added at
 the end; NaN / -inf scores never qualify; -0.0 ties +0.0. The <= top_k indices are ranked pairwise
@@ -112,19 +115,20 @@ DEQ_MODES = ("f32scale", "groupdot", "fp8", "fma")
 DEFAULT_DEQ = "fma"
 """The decode dequant path by default: exact like "f32scale" / "groupdot" and the fastest on the H200 (1M
 tokens, batch 1: 66 µs vs 107 "groupdot", 128 "f32scale", 89 "fp8"; 32K: 12.1 vs 13.3 µs; selections
-equal the reference's; benchmarks/RESULTS.md). Those numbers are for 1-row tiles (``max_q_rows=1``, 54
-registers); the runtime's decode (``max_q_rows=8``, speculative rows) gets FMA_ROWS = 2-row tiles, 96
-registers, not measured on the GPU yet. "fp8" is lossy (its query rounding changed 87.5% of the selected
+equal the reference's; benchmarks/RESULTS.md). Those numbers are for 1-row tiles (54 registers), which
+plain decode (no more rows than requests) gets whatever ``max_q_rows`` says (:func:`decode_rows`); more
+rows get FMA_ROWS = 2-row tiles (96 registers; 1M, one row: 89.5 µs). "fp8" is lossy (its query rounding changed 87.5% of the selected
 blocks at 32K), so it is never a default."""
 
 FMA_KEYS = 64
 """Keys per step of the "fma" path (a power of two; below the block size a block takes several steps)."""
 FMA_WARPS = 4
 """Warps of the "fma" path's programs."""
-FMA_STAGES = 1
+FMA_STAGES = 3
 """Software-pipeline stages of the "fma" path's block loop (``tl.range(num_stages=...)``; 1: none, the key
 loads are issued in the step that uses them; > 1: Triton moves them through shared memory with cp.async,
-FMA_STAGES - 1 steps ahead — not the default until measured on the GPU)."""
+FMA_STAGES - 1 steps ahead). H200, 1M tokens, batch 1, scores + top-k: 1-row tiles 66.4 µs at 1 stage,
+66.4 at 2, 62.1 at 3; 2-row tiles 89.5 at 1, 80.2 at 2 (benchmarks/RESULTS.md, session 10)."""
 FMA_ROWS = 2
 """Query rows per tile of the "fma" path (at most; more rows loop over tiles, keys re-read per tile). The
 tile's rows × G (row, head) pairs share each decoded key step but hold their q in registers, and a kernel
@@ -474,6 +478,21 @@ def indexer_scores_kernel(
 
 
 @triton.jit
+def _topk_keys(row, c0, n_scan, own, CH: tl.constexpr, BIG: tl.constexpr, NONE: tl.constexpr):
+    """Packed int64 keys of blocks [c0, c0 + CH): order-preserving score bits << 32 | (BIG - index), so a
+    larger key is a larger score, ties to the smaller index; NONE for blocks past n_scan, the own block,
+    NaN and -inf scores (never candidates); -0.0 ties +0.0."""
+    idx = c0 + tl.arange(0, CH)
+    ok = (idx < n_scan) & (idx != own)
+    s = tl.load(row + idx, mask=ok, other=float("-inf"))
+    s = tl.where(s == 0.0, 0.0, s)
+    ok = ok & (s > float("-inf"))
+    bits = s.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    return tl.where(ok, (ordered << 32) | (BIG - idx).to(tl.int64), NONE)
+
+
+@triton.jit
 def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, MB, G: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
                        KO: tl.constexpr, CH: tl.constexpr, CAUSAL: tl.constexpr):
     """out[t, g, :K]: own block + top K-1 other blocks of scores[t, g, :] (ties -> smaller), ascending, -1 padded.
@@ -489,16 +508,16 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, MB, G: tl.constexpr, BS: tl
     row = scores_ptr + pid.to(tl.int64) * MB
     slot = tl.arange(0, KO)
     is_set = slot < K - 1  # slots of the running top set; slot K - 1 is the own block's
+    # First chunk: the set is empty, so its K - 1 best keys ARE the set: one max-reduction each (keys are
+    # unique: the index is part of them), in order, so slot i holds the (i+1)-th best (or NONE).
+    keys = _topk_keys(row, 0, n_scan, own, CH, BIG, NONE)
     top = tl.full([KO], NONE, tl.int64)
-    for c0 in range(0, n_scan, CH):
-        idx = c0 + tl.arange(0, CH)
-        ok = (idx < n_scan) & (idx != own)
-        s = tl.load(row + idx, mask=ok, other=float("-inf"))
-        s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties +0.0
-        ok = ok & (s > float("-inf"))  # NaN and -inf never qualify
-        bits = s.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        keys = tl.where(ok, (ordered << 32) | (BIG - idx).to(tl.int64), NONE)
+    for i in tl.static_range(K - 1):
+        best = tl.max(keys)
+        top = tl.where(slot == i, best, top)
+        keys = tl.where(keys == best, NONE, keys)
+    for c0 in range(CH, n_scan, CH):  # later chunks (tables wider than CH): replace the set's minimum
+        keys = _topk_keys(row, c0, n_scan, own, CH, BIG, NONE)
         thr = tl.min(tl.where(is_set, top, TOP))
         best = tl.max(keys)
         while best > thr:  # the chunk's best beats the set's minimum: replace it
@@ -524,6 +543,13 @@ def pick_chunk_blocks(n_prog: int, max_blocks: int, nbt: int, num_sms: int) -> i
 def is_prefill(num_rows: int, num_requests: int, max_q_rows: int) -> bool:
     """The phase rule (shapes only): more than ``max_q_rows`` rows per request on average is prefill."""
     return num_rows > max_q_rows * num_requests
+
+
+def decode_rows(num_rows: int, num_requests: int, max_q_rows: int) -> int:
+    """The decode tile's rows (shapes only): 1 when there are no more rows than requests (plain decode: a
+    tile sized for max_q_rows holds the registers of its largest variant, which cost the "fma" path 35% at
+    1M tokens on the H200: 89.5 vs 66.4 µs), else max_q_rows (rows past a tile loop over further tiles)."""
+    return 1 if num_rows <= num_requests else max_q_rows
 
 
 def _nbt(block_size: int) -> int:
@@ -589,7 +615,8 @@ def indexer_specs(g: int, d: int, block_size: int, top_k: int, q_dtype: str = "b
     if block_size < 1 or block_size & (block_size - 1) or top_k < 1 or max_q_rows < 1 or g < 1:
         raise ShapeError(f"block_size={block_size} must be a power of two; top_k={top_k}, max_q_rows={max_q_rows} "
                          f"and index heads {g} must be >= 1")
-    return [_scores_spec(g, d, block_size, q_dtype, max_q_rows, False, deq, upcast),
+    decode_rows = sorted({1, max_q_rows})
+    return [*(_scores_spec(g, d, block_size, q_dtype, rows, False, deq, upcast) for rows in decode_rows),
             _scores_spec(g, d, block_size, q_dtype, _prefill_rows(g, prefill_m), True, "f32scale", upcast),
             *(_topk_spec(g, block_size, top_k, ch) for ch in TOPK_CH)]
 
@@ -681,7 +708,7 @@ def msa_indexer(
         spec = _scores_spec(g, d, block_size, q_name, rows, True, "f32scale", interpreting())
         n_prog = prefill_tile_count(t, n_req, rows)
     else:
-        spec = _scores_spec(g, d, block_size, q_name, max_q_rows, False, deq, interpreting())
+        spec = _scores_spec(g, d, block_size, q_name, decode_rows(t, n_req, max_q_rows), False, deq, interpreting())
         n_prog = n_req
     chunk = chunk_blocks or pick_chunk_blocks(n_prog, mb, spec.constexprs["NBT"], num_sms(dev))
     runner(spec, (n_prog, triton.cdiv(mb, chunk)),

@@ -362,12 +362,13 @@ def test_topk_special_values_and_many_chunks(top_k: int, rng: torch.Generator) -
     scores[3] = torch.randint(-2, 3, (g, mb), generator=rng).float()
     positions = torch.tensor([mb * bs - 1, mb * bs - 2, 700, 0, 517, 33])
     want = ops.select_blocks(scores, positions, bs, top_k)
-    for ch in (16, 64):
+    for ch in (16, 64, 512):  # 512 >= mb: the whole row in the first chunk
         assert torch.equal(_select(scores, positions, bs, top_k, ch, causal=False), want)
     future = torch.arange(mb)[None, :] > (positions // bs)[:, None]
     scores = scores.masked_fill(future[:, None, :], float("-inf"))
     want = ops.select_blocks(scores, positions, bs, top_k)
-    assert torch.equal(_select(scores, positions, bs, top_k, 16, causal=True), want)
+    for ch in (16, 512):
+        assert torch.equal(_select(scores, positions, bs, top_k, ch, causal=True), want)
 
 
 def test_other_integer_metadata_dtypes_give_the_same_selection(rng: torch.Generator) -> None:
@@ -448,9 +449,11 @@ def test_compiles_for_hopper() -> None:
     specs = {}
     for deq in mi.DEQ_MODES:
         specs |= {s.key(): s for s in mi.indexer_specs(1, 128, 128, 16, "bf16", 8, deq=deq)}
-    specs |= {s.key(): s for s in mi.indexer_specs(4, 128, 128, 16, "bf16", 2)[1:2]}  # G=4 prefill: 32 rows × 4
+    specs |= {s.key(): s for s in mi.indexer_specs(4, 128, 128, 16, "bf16", 2)
+              if s.constexprs.get("PREFILL")}  # G=4 prefill: 32 rows × 4
     built = compile_kernels(list(specs.values()))
-    assert len(built) == len(mi.DEQ_MODES) + 4 and all(k.binary for k in built)
+    # per path decode tiles of 1 and 8 rows ("fma": 2), the shared prefill spec, 2 top-k widths, G=4 prefill
+    assert len(built) == 2 * len(mi.DEQ_MODES) + 4 and all(k.binary for k in built)
     for spec, k in zip(specs.values(), built):
         res = _resources(k.binary)
         assert res == "" or " LOCAL:0 " in res, (spec.constexprs, res)  # no spills

@@ -1,0 +1,86 @@
+"""Benchmark: where the MSA sparse-attention decode's time goes — its split, pipeline stages and warps.
+
+One GPU's TP4 slice (16 q heads, 1 KV head, D = 128, block 128, top-16, NVFP4 K/V, bf16 q), one query row
+per request, a selection of 16 random distinct blocks per row (the own block included). For each tiling:
+the CUDA-graph median of the kernel launch alone (``graph_us``), the kernel's device time from the profiler
+(``kernel_us``: start to end on the GPU, without launch work) and its max relative difference to the
+default tiling's output. The byte floor of a row (its 16 blocks' K and V, 288 KiB) is ~0.07 µs: this
+kernel is latency-bound, so the interesting column is how far kernel_us is above a few DRAM round trips.
+
+Usage (H200): PYTHONPATH=. python benchmarks/bench_msa_attention_decode.py [--contexts 32768 1048576]
+[--batches 1 8]; writes $OUT/msa_attention_decode.json (or benchmarks/results/) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from _timing import bench_graph, kernel_times, record_point, write_results
+from bench_msa import BS, TOPK, D, make_batch
+
+from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, split_buckets, token_requests
+
+
+def random_selection(ctx: int, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """int64 [batch, 1, TOPK]: the own (last) block and TOPK - 1 other distinct random blocks per row."""
+    nbps = ctx // BS
+    others = torch.rand((batch, nbps - 1), device="cuda", generator=gen).argsort(dim=1)[:, : TOPK - 1]
+    own = torch.full((batch, 1), nbps - 1, device="cuda")
+    return torch.cat([others, own], dim=1).sort(dim=1).values.view(batch, 1, TOPK)
+
+
+def run(ctx: int, batch: int) -> list[dict]:
+    """Every (split, stages, warps) tiling at one point."""
+    b = make_batch(ctx, batch, 1)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    sel = random_selection(ctx, batch, gen)
+    rot = token_requests(b["qsl"], batch)
+    ref = None
+    rows = []
+    for split in split_buckets(TOPK):
+        for stages in (1, 2, 3):
+            for warps in (4, 8):
+                out = torch.full_like(b["q"], float("nan"))
+
+                def fn(split: int = split, stages: int = stages, warps: int = warps, out: torch.Tensor = out) -> None:
+                    msa_sparse_attention_decode(b["q"], b["kd"], b["ks"], b["vd"], b["vs"], sel, b["pos"], b["qsl"],
+                                                b["seq"], b["table"], BS, D**-0.5, split=split, req_of_token=rot,
+                                                num_warps=warps, num_stages=stages, out=out)
+
+                fn()
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = out.float().clone()
+                diff = float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
+                times = kernel_times(fn)
+                row = {"context": ctx, "batch": batch, "split": split, "stages": stages, "warps": warps,
+                       "graph_us": bench_graph(fn) * 1e3, "kernel_us": sum(times.values()),
+                       "max_rel_diff_vs_first": diff}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 1 << 20])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    args = ap.parse_args()
+    rows: list[dict] = []
+    for ctx in args.contexts:
+        for batch in args.batches:
+            record_point(rows, {"context": ctx, "batch": batch}, lambda c=ctx, b=batch: run(c, b))
+    write_results("msa_attention_decode", rows)
+    print(f"\n{'ctx':>8} {'B':>2} {'split':>5} {'stages':>6} {'warps':>5} {'graph us':>9} {'kernel us':>9} {'diff':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['context']:>8} {r['batch']:>2} {r['error']}")
+            continue
+        print(f"{r['context']:>8} {r['batch']:>2} {r['split']:>5} {r['stages']:>6} {r['warps']:>5} {r['graph_us']:>9.1f} "
+              f"{r['kernel_us']:>9.1f} {r['max_rel_diff_vs_first']:>8.1e}")
+
+
+if __name__ == "__main__":
+    main()
