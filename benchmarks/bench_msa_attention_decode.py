@@ -40,7 +40,7 @@ def run(ctx: int, batch: int) -> list[dict]:
     ref = None
     rows = []
     for split in split_buckets(TOPK):
-        for stages in (1, 2, 3):
+        for stages in (1, 3):
             for warps in (4, 8):
                 out = torch.full_like(b["q"], float("nan"))
 
