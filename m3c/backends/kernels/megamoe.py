@@ -9,7 +9,8 @@ kernels of :mod:`m3c.backends.kernels.moe_prefill` (NVFP4 decoded in the mainloo
 extra tiles), which beat the one-launch decode kernel at every T from 2 to 64 and tied it at T = 1; for
 T <= 4 their CUDA-core GEMV tiles (172 vs 229 µs at T = 1), above that their tensor-core tiles.
 Routing for T <= 64: the router GEMV (float32, cuBLAS) + ONE launch
-(:func:`m3c.backends.kernels.moe_routing.fused_route`, ~13 µs); above, or with ``exact_routing``, the
+(:func:`m3c.backends.kernels.moe_routing.fused_route`, ~13 µs), which also makes the grouped GEMMs'
+permutation (expert-sorted pairs and offsets: no sort / search launches); above, or with ``exact_routing``, the
 torch routing (bitwise ``MoE.route``, ~25 small launches, ~80 µs at T = 1). ``decode_kernel=True`` runs
 the persistent one-launch :func:`m3c.backends.kernels.moe_decode.moe_decode` for T <= 64 instead (kept
 for tuning; the offline lowering does not compile it). No host synchronization: the whole call is
@@ -106,7 +107,8 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
         if decode_kernel:
             return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                               workspace=workspace)
-        return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
+        return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
+                           permutation=(seg.sorted_pairs, seg.offsets))
     ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                              norm_topk_prob=norm_topk_prob)
     weights = weights.to(torch.float32)

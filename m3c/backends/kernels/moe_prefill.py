@@ -15,10 +15,11 @@ accumulation) or float32 (IEEE dots: the tiny test models). An id outside [0, E)
 Design (four device steps, no host synchronization, fixed launch shapes for a given T):
 
 1. Permutation on the GPU: a stable sort of the T·k (token, slot) pairs by expert gives ``order``
-   (sorted position -> pair); ``searchsorted`` over the sorted ids gives the expert row offsets,
-   and a cumsum of ceil(count_e / BLOCK_M) the tile table. The grid has room for the worst case,
-   ``min(ceil(T·k / BLOCK_M) + E, T·k)`` routed row tiles; a program finds its expert by counting
-   the tile-table entries at or below its tile index (one vector load of E ints) and programs
+   (sorted position -> pair); ``searchsorted`` over the sorted ids gives the expert row offsets
+   (:func:`expert_permutation`; the decode routing kernel makes both in its own launch and passes them
+   in). The grid has room for the worst case, ``min(ceil(T·k / BLOCK_M) + E, T·k)`` routed row tiles;
+   a program loads the E + 1 offsets, builds the tile table (a cumsum of ceil(count_e / BLOCK_M)) in
+   registers, finds its expert by counting the entries at or below its tile index, and programs
    past the real tile count exit at once. Experts without tokens own no tile: they cost nothing.
 2. FC1 (one launch): a program owns BLOCK_M rows of one expert × BLOCK_N columns of the
    intermediate dim, for gate AND up (rows n and I + n of W13), so SiLU(gate)·up happens in the
@@ -419,20 +420,26 @@ def _scaled_row(c, m, w, y_ptr, yrow, ok, cols, H: tl.constexpr):
 
 
 @triton.jit
-def _routed_rows(pid_r, offs_ptr, tend_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
-    """(expert, first sorted row, end of the expert's rows) of routed tile pid_r; expert == E: no such tile."""
+def _routed_rows(pid_r, offs_ptr, E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr):
+    """(expert, first sorted row, end of the expert's rows) of routed tile pid_r; expert == E: no such tile.
+
+    The tile table is derived here from the expert row offsets (E + 1 int32 values, L2-resident): expert e
+    owns ceil(count_e / BM) consecutive tiles, so no separate launch builds it.
+    """
     ev = tl.arange(0, EP)
-    tend = tl.load(tend_ptr + ev, mask=ev < E, other=2147483647)
+    lo_e = tl.load(offs_ptr + ev, mask=ev < E, other=0)
+    hi_e = tl.load(offs_ptr + ev + 1, mask=ev < E, other=0)
+    tend = tl.cumsum((hi_e - lo_e + BM - 1) // BM, 0)
+    tend = tl.where(ev < E, tend, 2147483647)
     e = tl.sum((tend <= pid_r).to(tl.int32), axis=0)
-    ok = e < E
-    tstart = tl.load(tend_ptr + e - 1, mask=ok & (e > 0), other=0)
-    lo = tl.load(offs_ptr + e, mask=ok, other=0)
-    hi = tl.load(offs_ptr + e + 1, mask=ok, other=0)
+    tstart = tl.sum(tl.where(ev == e - 1, tend, 0), axis=0)  # 0 for e == 0
+    lo = tl.sum(tl.where(ev == e, lo_e, 0), axis=0)
+    hi = tl.sum(tl.where(ev == e, hi_e, 0), axis=0)
     return e, lo + (pid_r - tstart) * BM, hi
 
 
 @triton.jit
-def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, ss_ptr, act_ptr, sact_ptr,
+def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, ss_ptr, act_ptr, sact_ptr,
                    T, n_sh,
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
@@ -451,7 +458,7 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr,
                 _fc1_tile(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK,
                           DOT_F32)
     if pid_m >= n_sh:
-        e, p0, hi = _routed_rows(pid_m - n_sh, offs_ptr, tend_ptr, E, EP, BM)
+        e, p0, hi = _routed_rows(pid_m - n_sh, offs_ptr, E, EP, BM)
         if (e < E) & (n0 < INTER):
             p = p0 + m
             valid = p < hi
@@ -466,7 +473,7 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr,
 
 
 @triton.jit
-def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, ss_ptr,
+def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, ss_ptr,
                    y_ptr, T, n_sh,
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
@@ -488,7 +495,7 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, tend_ptr, wd
                 _fc2_tile(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
                           SFMT, BM, BN, BK, DOT_F32)
     if pid_m >= n_sh:
-        e, p0, hi = _routed_rows(pid_m - n_sh, offs_ptr, tend_ptr, E, EP, BM)
+        e, p0, hi = _routed_rows(pid_m - n_sh, offs_ptr, E, EP, BM)
         if e < E:
             p = p0 + m
             valid = p < hi
@@ -623,10 +630,10 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> tuple[KernelSpec, ...]:
                   GEMV=tiles.gemv, PIPE=tiles.pipe)
     w = {"wd_ptr": _ptr(lay.w13_fmt, True), "ws_ptr": _ptr(lay.w13_fmt, False), "wg_ptr": "*fp32",
          "sd_ptr": _ptr(sfmt, True), "ss_ptr": _ptr(sfmt, False)}
-    t1 = {"x_ptr": act, "order_ptr": "*i64", "offs_ptr": "*i32", "tend_ptr": "*i32", **w, "act_ptr": act,
+    t1 = {"x_ptr": act, "order_ptr": "*i32", "offs_ptr": "*i32", **w, "act_ptr": act,
           "sact_ptr": act, "T": "i32", "n_sh": "i32"}
-    t2 = {"act_ptr": act, "sact_ptr": act, "order_ptr": "*i64", "wts_ptr": "*fp32", "offs_ptr": "*i32",
-          "tend_ptr": "*i32", **w, "y_ptr": act, "T": "i32", "n_sh": "i32"}
+    t2 = {"act_ptr": act, "sact_ptr": act, "order_ptr": "*i32", "wts_ptr": "*fp32", "offs_ptr": "*i32", **w,
+          "y_ptr": act, "T": "i32", "n_sh": "i32"}
     t3 = {"y_ptr": act, "ids_ptr": "*i64", "out_ptr": act, "T": "i32"}
     aligned = ("x_ptr", "act_ptr", "sact_ptr", "y_ptr", "wd_ptr", "ws_ptr", "sd_ptr", "ss_ptr", "out_ptr")
     return (
@@ -770,18 +777,28 @@ def _layout(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     return lay
 
 
+def expert_permutation(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order int32 [T·k]: the (token, slot) pairs p = t·k + j sorted stably by expert; offsets int32 [E + 1]:
+    where each expert's pairs begin in ``order``), by torch on the device (a sort and a search, no sync)."""
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
+    offs = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=topk_ids.device), out_int32=True)
+    return order.to(torch.int32), offs
+
+
 def moe_prefill(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Any, w2: Any,
-                shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run, out: torch.Tensor | None = None,
+                permutation: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Routed experts (+ shared expert) of a prefill batch: [T, H] in x.dtype; three launches, no host sync.
 
     ``w13`` / ``w2``: stacked routed weights [E, 2I, H] / [E, H, I] (NVFP4Tensor with a [E, N, 1]
     global scale, MXFP8Tensor or bf16); ``shared_w13`` [2S, H] / ``shared_w2`` [H, S] (MXFP8Tensor
-    or bf16) or both None. ``out``: optional preallocated [T, H] output (CUDA graphs).
+    or bf16) or both None. ``out``: optional preallocated [T, H] output (CUDA graphs). ``permutation``:
+    :func:`expert_permutation`'s (order, offsets) for these ids if the caller has them (the decode
+    routing kernel makes them in its own launch); else they are made here.
     """
     lay = _layout(x, topk_ids, topk_weights, w13, w2, shared_w13, shared_w2)
     return _launch(x, topk_ids, topk_weights, w13, w2, shared_w13, shared_w2, lay,
-                   _tile_options(lay, _bucket(lay, x.shape[0]), interpreting()), runner, out)
+                   _tile_options(lay, _bucket(lay, x.shape[0]), interpreting()), runner, out, permutation)
 
 
 def _check_tiles(lay: Layout, tiles: Tiles) -> None:
@@ -800,7 +817,7 @@ def _check_tiles(lay: Layout, tiles: Tiles) -> None:
 
 def _launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Any, w2: Any,
             shared_w13: Any, shared_w2: Any, lay: Layout, tiles: Tiles, runner: Runner,
-            out: torch.Tensor | None) -> torch.Tensor:
+            out: torch.Tensor | None, permutation: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The launches of `moe_prefill` for an explicit tiling (benchmarks compare tilings through this)."""
     _check_tiles(lay, tiles)
     t, h = x.shape
@@ -830,11 +847,12 @@ def _launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     vg = vg if vg is not None else wts
     bm = tiles.bm
     p = t * k
-    # 1. permutation: stable sort by expert, row offsets per expert, tile table (all on the device)
-    sorted_ids, order = torch.sort(ids.view(-1), stable=True)
-    offs = torch.searchsorted(sorted_ids, torch.arange(e + 1, device=dev), out_int32=True)  # not cached: graph-safe
-    tend = torch.cumsum(torch.div(offs[1:] - offs[:-1] + (bm - 1), bm, rounding_mode="floor"), 0,
-                        dtype=torch.int32)
+    # 1. permutation (pairs sorted stably by expert, expert row offsets): the caller's, or made here
+    order, offs = permutation if permutation is not None else expert_permutation(ids, e)
+    if order.dtype != torch.int32 or tuple(order.shape) != (p,) or offs.dtype != torch.int32 \
+            or tuple(offs.shape) != (e + 1,):
+        raise ShapeError(f"permutation must be (int32 [{p}] pair order, int32 [{e + 1}] expert offsets), got "
+                         f"{order.dtype} {tuple(order.shape)}, {offs.dtype} {tuple(offs.shape)}")
     n_sh = triton.cdiv(t, bm) if has_sh else 0
     m_tiles = n_sh + min(triton.cdiv(p, bm) + e, p)
     slots = k + int(has_sh)
@@ -846,7 +864,7 @@ def _launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             buf.fill_(float("nan"))
     fc1, fc2, comb = _specs(lay, tiles, upcast=interpreting())
     n1 = triton.cdiv(max(i, s), tiles.bn1)
-    runner(fc1, (m_tiles, n1), (x, order, offs, tend, wd, ws, wg, sd, ss, act, sact, t, n_sh))
-    runner(fc2, (m_tiles, h // tiles.bn2), (act, sact, order, wts, offs, tend, vd, vs, vg, td, ts, y, t, n_sh))
+    runner(fc1, (m_tiles, n1), (x, order, offs, wd, ws, wg, sd, ss, act, sact, t, n_sh))
+    runner(fc2, (m_tiles, h // tiles.bn2), (act, sact, order, wts, offs, vd, vs, vg, td, ts, y, t, n_sh))
     runner(comb, (triton.cdiv(t, tiles.bt), h // tiles.bh), (y, ids, out, t))
     return out

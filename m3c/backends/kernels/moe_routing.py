@@ -15,7 +15,9 @@ the ids and weights are bitwise those of ``MoE.route``.
   experts in ascending order (slot i < num_active), where their pairs begin in ``sorted_pairs`` and
   how many there are; slots past ``num_active`` have count 0 (their expert is an untouched one, or 0
   from :func:`fused_route`);
-- ``num_active`` int32 [1]: how many experts received at least one token.
+- ``num_active`` int32 [1]: how many experts received at least one token;
+- ``offsets`` int32 [E + 1]: where each expert's pairs begin in ``sorted_pairs`` (every expert, touched
+  or not; the last entry is T·k) — with ``sorted_pairs``, the grouped GEMMs' permutation.
 
 Design: :func:`moe_route` + :func:`expert_segments` are small torch launches (~25: sort, scatter-add,
 cumsum, ...), bitwise the reference's routing; :func:`fused_route` (the decode path, T <= 64) does the
@@ -55,6 +57,7 @@ class ExpertSegments:
     slot_start: torch.Tensor
     slot_count: torch.Tensor
     num_active: torch.Tensor
+    offsets: torch.Tensor
 
     @property
     def max_active(self) -> int:
@@ -113,6 +116,7 @@ def expert_segments(topk_ids: torch.Tensor, num_experts: int) -> ExpertSegments:
         slot_start=starts[slot_expert],
         slot_count=counts[slot_expert],
         num_active=active.sum(dtype=torch.int32).reshape(1),
+        offsets=torch.cat([starts, counts.sum(dtype=torch.int32).reshape(1)]),
     )
 
 
@@ -129,7 +133,7 @@ def _sigmoid(v, NATIVE: tl.constexpr):
 
 @triton.jit
 def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, pairs_ptr, slot_expert_ptr, slot_start_ptr,
-                     slot_count_ptr, num_active_ptr, T, A, scale,
+                     slot_count_ptr, num_active_ptr, offs_ptr, T, A, scale,
                      E: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, TP: tl.constexpr,
                      NORM: tl.constexpr, NATIVE: tl.constexpr):
     """One program: sigmoid + bias, stable top-k, weights, and the expert segments of T <= TP tokens."""
@@ -167,6 +171,10 @@ def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, pairs_ptr, slot_exper
     n = T * TOPK
     live = pos < n
     es = key // PB
+    # expert row offsets [E + 1]: pairs of smaller experts before each expert (the grouped GEMMs' input)
+    before = tl.sum(((es[:, None] < c[None, :]) & live[:, None]).to(tl.int32), axis=0)
+    tl.store(offs_ptr + c, before, mask=c < E)
+    tl.store(offs_ptr + E, T * TOPK)
     tl.store(pairs_ptr + pos, es, mask=live)  # pairs_ptr as scratch: neighbours' experts
     tl.store(slot_count_ptr + c, tl.zeros([EP], tl.int32), mask=c < A)
     tl.store(slot_expert_ptr + c, tl.zeros([EP], tl.int32), mask=c < A)
@@ -204,7 +212,7 @@ def route_specs(experts: int, top_k: int) -> list[KernelSpec]:
 def _route_spec(experts: int, top_k: int, tp: int, norm: bool, native: bool) -> KernelSpec:
     types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64", "w_ptr": "*fp32", "pairs_ptr": "*i32",
              "slot_expert_ptr": "*i32", "slot_start_ptr": "*i32", "slot_count_ptr": "*i32",
-             "num_active_ptr": "*i32", "T": "i32", "A": "i32", "scale": "fp32"}
+             "num_active_ptr": "*i32", "offs_ptr": "*i32", "T": "i32", "A": "i32", "scale": "fp32"}
     consts = dict(E=experts, EP=triton.next_power_of_2(experts), TOPK=top_k,
                   KP=max(2, triton.next_power_of_2(top_k), 128 // tp), TP=tp, NORM=norm, NATIVE=native)
     return KernelSpec("moe_route", moe_route_kernel, types, consts, num_warps=4, num_stages=1)
@@ -232,9 +240,9 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int, routed_
     w = torch.empty((t, top_k), dtype=torch.float32, device=dev)
     i32 = dict(dtype=torch.int32, device=dev)
     seg = ExpertSegments(torch.empty(t * top_k, **i32), torch.empty(a, **i32), torch.empty(a, **i32),
-                         torch.empty(a, **i32), torch.empty(1, **i32))
+                         torch.empty(a, **i32), torch.empty(1, **i32), torch.empty(e + 1, **i32))
     spec = _route_spec(e, top_k, max(16, triton.next_power_of_2(t)), bool(norm_topk_prob), not interpreting())
     runner(spec, (1,), [logits.contiguous(), bias.to(torch.float32).contiguous(), ids, w, seg.sorted_pairs,
-                        seg.slot_expert, seg.slot_start, seg.slot_count, seg.num_active, t, a,
+                        seg.slot_expert, seg.slot_start, seg.slot_count, seg.num_active, seg.offsets, t, a,
                         float(routed_scaling_factor)])
     return ids, w, seg

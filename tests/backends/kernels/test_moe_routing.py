@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from m3c.backends.kernels.moe_prefill import expert_permutation
 from m3c.backends.kernels.moe_routing import expert_segments, fused_route, moe_route
 from m3c.errors import ShapeError
 from m3c.fused.moe import random_moe
@@ -76,7 +77,11 @@ def test_expert_segments(t: int, k: int, e: int, rng: torch.Generator) -> None:
             assert cnt == len(want) and seg.sorted_pairs[start:start + cnt].tolist() == want
         else:
             assert cnt == 0 and int(seg.slot_expert[i]) not in touched
-    for name in ("sorted_pairs", "slot_expert", "slot_start", "slot_count", "num_active"):
+    want_offs = [sum(x < ex for x in flat) for ex in range(e + 1)]
+    assert seg.offsets.tolist() == want_offs  # every expert's first sorted pair (untouched ones too), then T·k
+    order, offs = expert_permutation(ids, e)  # the grouped GEMMs' own permutation agrees
+    assert torch.equal(order, seg.sorted_pairs) and torch.equal(offs, seg.offsets)
+    for name in ("sorted_pairs", "slot_expert", "slot_start", "slot_count", "num_active", "offsets"):
         assert getattr(seg, name).dtype == torch.int32, name
 
 
@@ -93,6 +98,7 @@ def _check_fused(moe, x) -> None:
     assert torch.equal(fi, ids)
     torch.testing.assert_close(fw, w, rtol=5e-7, atol=0)
     assert torch.equal(fs.sorted_pairs, seg.sorted_pairs) and int(fs.num_active) == na
+    assert torch.equal(fs.offsets, seg.offsets)
     assert torch.equal(fs.slot_count, seg.slot_count)
     assert torch.equal(fs.slot_expert[:na], seg.slot_expert[:na]) and torch.equal(fs.slot_start[:na], seg.slot_start[:na])
 
@@ -156,7 +162,7 @@ def test_routing_m31_small_graph_capture(rng: torch.Generator) -> None:
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(gi, ids) and torch.equal(gw, w)
-        for name in ("sorted_pairs", "slot_expert", "slot_start", "slot_count", "num_active"):
+        for name in ("sorted_pairs", "slot_expert", "slot_start", "slot_count", "num_active", "offsets"):
             assert torch.equal(getattr(gseg, name), getattr(seg, name)), name
 
 
