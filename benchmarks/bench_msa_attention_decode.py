@@ -14,6 +14,7 @@ Usage (H200): PYTHONPATH=. python benchmarks/bench_msa_attention_decode.py [--co
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -31,35 +32,34 @@ def random_selection(ctx: int, batch: int, gen: torch.Generator) -> torch.Tensor
     return torch.cat([others, own], dim=1).sort(dim=1).values.view(batch, 1, TOPK)
 
 
-def run(ctx: int, batch: int) -> list[dict]:
-    """Every (split, stages, warps) tiling at one point."""
+def run(ctx: int, batch: int, args: argparse.Namespace) -> list[dict]:
+    """Every (split, stages, warps, block_n) tiling asked for at one point."""
     b = make_batch(ctx, batch, 1)
     gen = torch.Generator(device="cuda").manual_seed(7)
     sel = random_selection(ctx, batch, gen)
     rot = token_requests(b["qsl"], batch)
     ref = None
     rows = []
-    for split in split_buckets(TOPK):
-        for stages in (1, 3):
-            for warps in (4, 8):
-                out = torch.full_like(b["q"], float("nan"))
+    for split, stages, warps, bn in itertools.product(args.splits, args.stages, args.warps, args.block_n):
+        out = torch.full_like(b["q"], float("nan"))
 
-                def fn(split: int = split, stages: int = stages, warps: int = warps, out: torch.Tensor = out) -> None:
-                    msa_sparse_attention_decode(b["q"], b["kd"], b["ks"], b["vd"], b["vs"], sel, b["pos"], b["qsl"],
-                                                b["seq"], b["table"], BS, D**-0.5, split=split, req_of_token=rot,
-                                                num_warps=warps, num_stages=stages, out=out)
+        def fn(split: int = split, stages: int = stages, warps: int = warps, bn: int = bn,
+               out: torch.Tensor = out) -> None:
+            msa_sparse_attention_decode(b["q"], b["kd"], b["ks"], b["vd"], b["vs"], sel, b["pos"], b["qsl"],
+                                        b["seq"], b["table"], BS, D**-0.5, split=split, req_of_token=rot,
+                                        num_warps=warps, num_stages=stages, block_n=bn, out=out)
 
-                fn()
-                torch.cuda.synchronize()
-                if ref is None:
-                    ref = out.float().clone()
-                diff = float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
-                times = kernel_times(fn)
-                row = {"context": ctx, "batch": batch, "split": split, "stages": stages, "warps": warps,
-                       "graph_us": bench_graph(fn) * 1e3, "kernel_us": sum(times.values()),
-                       "max_rel_diff_vs_first": diff}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        fn()
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = out.float().clone()
+        diff = float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
+        times = kernel_times(fn)
+        row = {"context": ctx, "batch": batch, "split": split, "stages": stages, "warps": warps, "block_n": bn,
+               "graph_us": bench_graph(fn) * 1e3, "kernel_us": sum(times.values()),
+               "max_rel_diff_vs_first": diff}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -67,18 +67,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 1 << 20])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--splits", type=int, nargs="+", default=split_buckets(TOPK))
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
     args = ap.parse_args()
     rows: list[dict] = []
     for ctx in args.contexts:
         for batch in args.batches:
-            record_point(rows, {"context": ctx, "batch": batch}, lambda c=ctx, b=batch: run(c, b))
+            record_point(rows, {"context": ctx, "batch": batch}, lambda c=ctx, b=batch: run(c, b, args))
     write_results("msa_attention_decode", rows)
-    print(f"\n{'ctx':>8} {'B':>2} {'split':>5} {'stages':>6} {'warps':>5} {'graph us':>9} {'kernel us':>9} {'diff':>8}")
+    print(f"\n{'ctx':>8} {'B':>2} {'split':>5} {'stages':>6} {'warps':>5} {'bn':>4} {'graph us':>9} {'kernel us':>9} "
+          f"{'diff':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['context']:>8} {r['batch']:>2} {r['error']}")
             continue
-        print(f"{r['context']:>8} {r['batch']:>2} {r['split']:>5} {r['stages']:>6} {r['warps']:>5} {r['graph_us']:>9.1f} "
+        print(f"{r['context']:>8} {r['batch']:>2} {r['split']:>5} {r['stages']:>6} {r['warps']:>5} {r['block_n']:>4} "
+              f"{r['graph_us']:>9.1f} "
               f"{r['kernel_us']:>9.1f} {r['max_rel_diff_vs_first']:>8.1e}")
 
 
