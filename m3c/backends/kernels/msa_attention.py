@@ -30,19 +30,16 @@ Common device design.
 - Dots: float32 ``ieee`` in the interpreter (its bf16 dots are wrong); on a GPU bf16 tensor-core dots
   for bf16 q (dequantized K/V have <= 6 significant bits, so they are exact in bf16; P is rounded to
   bf16), ``tf32x3`` for float32 q.
-- Decode tiles: bf16 q a whole 128-key block per step (BLOCK_N = 128), 8 warps (sm_90a, Triton 3.9: 160-171
-  registers, no spills); float32 q BLOCK_N = 32, 8 warps; prefill see :func:`prefill_config`.
+- Tiles (not tuned on the GPU yet) come from offline sm_90a compiles with Triton 3.9 (cuobjdump: no spills): decode bf16 q BLOCK_N=64, 4 warps, 3 stages (146-197 registers over the split buckets),
+  float32 q BLOCK_N=32, 8 warps (174-182); prefill see :func:`prefill_config`.
 
 Decode kernel (``msa_decode_kernel``): one program per (query row t, KV group g, split sp), split
 fastest, the heads padded to BLOCK_H >= 16 rows. Flash-decoding: the top-k selection is dealt strided
 over SPLIT programs (entry i goes to split i % SPLIT, so ``-1`` padding spreads evenly); each runs an
 online softmax over its blocks and writes (m, l, unnormalized acc) into a float32 workspace; the last
 split to finish (an atomic counter, reset to 0 again, so CUDA-graph replays work) merges all partials
-exactly in a fixed order (rescale by exp(m_i - m)), loading every partial at once. SPLIT == 1 writes the
-output directly. SPLIT is the smallest power of two giving ~16 programs per SM (<= min(top_k, 16)):
-decode is a chain of dependent steps, so the kernel is built for latency — the selection row, the
-request and the query are loaded up front, the block-table read does not wait for the request's length,
-and K and V of a step are loaded together. Byte floor per row and KV
+exactly in a fixed order (rescale by exp(m_i - m)). SPLIT == 1 writes the output directly. SPLIT is
+the smallest power of two giving ~2 programs per SM (<= min(top_k, 16)). Byte floor per row and KV
 head: the selected blocks' K and V, 16 blocks × 128 tokens × 2 (K, V) × 72 B (64 B codes + 8 B
 scales at D=128) = 294,912 B (288 KiB), i.e. 0.07 µs at 4.28 TB/s: one row is latency-bound.
 
@@ -124,10 +121,10 @@ def _dot(a, b, acc, BF16_MMA: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def msa_decode_kernel(
     q_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, sel_ptr, pos_ptr, req_ptr, seqlen_ptr, bt_ptr, out_ptr,
-    ws_ptr, ml_ptr, cnt_ptr, bt_stride, bt_cols, scale,
+    ws_ptr, ml_ptr, cnt_ptr, bt_stride, scale,
     H: tl.constexpr, KVH: tl.constexpr, HG: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SPLIT: tl.constexpr,
-    SPLIT_P2: tl.constexpr, BF16_MMA: tl.constexpr, PREC: tl.constexpr,
+    BF16_MMA: tl.constexpr, PREC: tl.constexpr,
 ):
     """Program = (row t, group g, split sp). ws: f32 [tiles, SPLIT, 2, BLOCK_H, D/2]; ml: f32 [tiles, SPLIT, 2,
     BLOCK_H]; cnt: int32 [tiles], zero on entry and on exit (tile = t * KVH + g). Unused when SPLIT == 1."""
@@ -139,12 +136,11 @@ def msa_decode_kernel(
     tile = pid // SPLIT
     t = tile // KVH
     g = tile % KVH
-    # Latency: every load whose address is known is issued up front, so the dependent chain is
-    # (request, selection) -> (length, block table) -> K/V bytes, three round trips.
     r = tl.load(req_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    kk = tl.arange(0, TOPK_P2)
-    sel_row = tl.load(sel_ptr + tile.to(tl.int64) * TOPK + kk, mask=kk < TOPK, other=-1)
+    seq_len = tl.load(seqlen_ptr + r).to(tl.int64)
+    n_blocks = (seq_len + BS - 1) // BS
+
     h = tl.arange(0, BLOCK_H)
     hmask = h < HG
     j = tl.arange(0, D2)
@@ -154,9 +150,9 @@ def msa_decode_kernel(
     if not BF16_MMA:
         q_lo = q_lo.to(tl.float32)
         q_hi = q_hi.to(tl.float32)
-    seq_len = tl.load(seqlen_ptr + r).to(tl.int64)
-    n_blocks = (seq_len + BS - 1) // BS
 
+    kk = tl.arange(0, TOPK_P2)
+    sel_row = tl.load(sel_ptr + tile.to(tl.int64) * TOPK + kk, mask=kk < TOPK, other=-1)
     rows = tl.arange(0, BLOCK_N)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -164,18 +160,16 @@ def msa_decode_kernel(
     acc_hi = tl.zeros([BLOCK_H, D2], tl.float32)
     for i in range(PER * NSUB):  # (selection entry, BLOCK_N-key sub-tile of its block)
         idx = sp + (i // NSUB) * SPLIT
-        b = tl.where(idx < TOPK, tl.sum(tl.where(kk == idx, sel_row, 0)), -1).to(tl.int64)  # entry idx: no reload
+        b = tl.load(sel_ptr + tile.to(tl.int64) * TOPK + idx, mask=idx < TOPK, other=-1).to(tl.int64)
         dup = tl.sum(((sel_row == b) & (kk < idx)).to(tl.int32))  # counted once, like the reference
         first = b * BS + (i % NSUB) * BLOCK_N
-        in_table = (b >= 0) & (b < bt_cols)  # the table read needs no length: it overlaps the length's load
-        phys = tl.load(bt_ptr + r * bt_stride + tl.where(in_table, b, 0)).to(tl.int64)  # entry 0 always exists
-        valid = in_table & (b < n_blocks) & (first <= pos) & (dup == 0)
+        valid = (b >= 0) & (b < n_blocks) & (first <= pos) & (dup == 0)
+        phys = tl.load(bt_ptr + r * bt_stride + tl.where(valid, b, 0)).to(tl.int64)  # entry 0 always exists
         kpos = first + rows
         last = tl.where(valid, tl.minimum(pos, seq_len - 1), -1)  # last visible key; -1: none
         vis = (kpos >= 0) & (kpos <= last) & (rows < BS)
         tok = (phys * BS + (i % NSUB) * BLOCK_N + rows) * KVH + g
         k_lo, k_hi = _dequant_rows(kd_ptr, ks_ptr, tok, vis, BLOCK_N, D2)
-        v_lo, v_hi = _dequant_rows(vd_ptr, vs_ptr, tok, vis, BLOCK_N, D2)  # issued with K's loads
         s = _dot(q_lo, tl.trans(k_lo), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), BF16_MMA, PREC)
         s = _dot(q_hi, tl.trans(k_hi), s, BF16_MMA, PREC) * scale
         s = tl.where(vis[None, :], s, float("-inf"))
@@ -184,6 +178,7 @@ def msa_decode_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_lo, v_hi = _dequant_rows(vd_ptr, vs_ptr, tok, vis, BLOCK_N, D2)
         acc_lo = _dot(p, v_lo, acc_lo * alpha[:, None], BF16_MMA, PREC)
         acc_hi = _dot(p, v_hi, acc_hi * alpha[:, None], BF16_MMA, PREC)
         m_i = m_new
@@ -199,43 +194,23 @@ def msa_decode_kernel(
         tl.store(ml_ptr + part * (2 * BLOCK_H) + BLOCK_H + h, l_i)
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT - 1:  # the last split of this (t, g) merges, in a fixed order
-            _merge_splits(ws_ptr, ml_ptr, (tile * SPLIT).to(tl.int64), out_ptr, q_off, hmask, BLOCK_H, D2, SPLIT,
-                          SPLIT_P2)
+            first_part = (tile * SPLIT).to(tl.int64)
+            m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            for i in range(SPLIT):
+                m_all = tl.maximum(m_all, tl.load(ml_ptr + (first_part + i) * (2 * BLOCK_H) + h, cache_modifier=".cg"))
+            m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)  # no visible key anywhere: all weights 0
+            o_lo = tl.zeros([BLOCK_H, D2], tl.float32)
+            o_hi = tl.zeros([BLOCK_H, D2], tl.float32)
+            l_sum = tl.zeros([BLOCK_H], tl.float32)
+            for i in range(SPLIT):
+                base = (first_part + i) * (2 * BLOCK_H)
+                w = tl.exp(tl.load(ml_ptr + base + h, cache_modifier=".cg") - m_ref)
+                l_sum += w * tl.load(ml_ptr + base + BLOCK_H + h, cache_modifier=".cg")
+                wbase = (first_part + i) * (2 * BLOCK_H * D2)
+                o_lo += w[:, None] * tl.load(ws_ptr + wbase + hd, cache_modifier=".cg")
+                o_hi += w[:, None] * tl.load(ws_ptr + wbase + BLOCK_H * D2 + hd, cache_modifier=".cg")
             tl.store(cnt_ptr + tile, 0)
-
-
-@triton.jit
-def _merge_splits(ws_ptr, ml_ptr, first_part, out_ptr, q_off, hmask, BLOCK_H: tl.constexpr, D2: tl.constexpr,
-                  SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
-    """Merge SPLIT partials (m, l, unnormalized acc) exactly and store the output; ".cg": the other programs
-    wrote them through L2. The m / l of every split come in one load; the accumulators in chunks of MC
-    splits, unrolled (independent loads, no loop-carried round trips; one [SPLIT, BLOCK_H, D/2] load at
-    once spilled on the H200 and cost ~25 µs). Padding partials (SPLIT < SPLIT_P2) read m = -inf, weight 0."""
-    MC: tl.constexpr = 4 if SPLIT_P2 > 4 else SPLIT_P2
-    sp = tl.arange(0, SPLIT_P2)
-    h = tl.arange(0, BLOCK_H)
-    j = tl.arange(0, D2)
-    ml = ml_ptr + (first_part + sp)[:, None] * (2 * BLOCK_H) + h[None, :]
-    m_sp = tl.load(ml, mask=(sp < SPLIT)[:, None], other=float("-inf"), cache_modifier=".cg")  # [SPLIT_P2, BLOCK_H]
-    l_sp = tl.load(ml + BLOCK_H, mask=(sp < SPLIT)[:, None], other=0.0, cache_modifier=".cg")
-    m_all = tl.max(m_sp, axis=0)
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)  # no visible key anywhere: all weights 0
-    l_sum = tl.sum(tl.exp(m_sp - m_ref[None, :]) * l_sp, axis=0)
-    o_lo = tl.zeros([BLOCK_H, D2], tl.float32)
-    o_hi = tl.zeros([BLOCK_H, D2], tl.float32)
-    c = tl.arange(0, MC)
-    hd = (h[:, None] * D2 + j[None, :])[None]
-    for c0 in tl.static_range(0, SPLIT_P2, MC):
-        ok = c0 + c < SPLIT
-        part = first_part + c0 + c
-        m_c = tl.load(ml_ptr + part[:, None] * (2 * BLOCK_H) + h[None, :], mask=ok[:, None], other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.exp(m_c - m_ref[None, :])[:, :, None]  # [MC, BLOCK_H, 1]
-        base = ws_ptr + (part * (2 * BLOCK_H * D2))[:, None, None] + hd
-        o_lo += tl.sum(w * tl.load(base, mask=ok[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
-        o_hi += tl.sum(w * tl.load(base + BLOCK_H * D2, mask=ok[:, None, None], other=0.0, cache_modifier=".cg"),
-                       axis=0)
-    _store_out(out_ptr, q_off, hmask, o_lo, o_hi, l_sum)
+            _store_out(out_ptr, q_off, hmask, o_lo, o_hi, l_sum)
 
 
 @triton.jit
@@ -359,15 +334,17 @@ def split_buckets(top_k: int) -> list[int]:
 
 
 def pick_split(num_tiles: int, top_k: int, device: torch.device) -> int:
-    """Splits per (row, group): the smallest bucket giving ~16 programs per SM (2 in the interpreter).
+    """Splits per (row, group): the smallest bucket filling ~2 programs per SM (2 in the interpreter).
 
-    A decode row is latency-bound (its bytes take < 0.1 µs), so splits are nearly free and each one
-    shortens the dependent chain of block steps: on the H200 (32K, batch 1 and 8, 64-key sub-tiles) the
-    kernel took 126 / 66 / 36 / 21 / 15 µs at 1 / 2 / 4 / 8 / 16 splits. Prefill-sized batches (thousands
-    of rows) still get one split per row."""
+    H200, 32K, batch 1, one row (benchmarks/RESULTS.md, session 10): 166 / 91 / 49 / 28 / 19 µs at 1 / 2 / 4
+    / 8 / 16 splits (64-key steps, 4 warps; 126 / 66 / 36 / 21 / 15 µs with 8 warps). A rewrite for latency
+    (128-key steps, 8 warps, selection row and block table read up front, merge without loop-carried loads,
+    ~16 programs per SM) measured 18.4 µs at 16 splits and made 4K-row prefill chunks 25% slower (3.3 vs
+    2.6 ms), so it was not kept: the time is in the per-step NVFP4 decode and the dots' layout changes
+    (~3-4 µs per 64-key step), not in the chain of loads."""
     if interpreting():
         return min(2, top_k)
-    target = 16 * num_sms(device)
+    target = 2 * num_sms(device)
     buckets = split_buckets(top_k)
     for split in buckets:
         if num_tiles * split >= target:
@@ -397,15 +374,14 @@ def decode_spec(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_
     """The decode kernel's KernelSpec for a layout and split (gpu=False: the interpreter's float32 dots)."""
     hg = num_heads // num_kv_heads
     bf16 = q_dtype == "bf16"
-    block_n = max(16, min(block_n or (128 if bf16 else 32), block_size))  # dots need K >= 16 (Triton 3.6)
+    block_n = max(16, min(block_n or (64 if bf16 else 32), block_size))  # dots need K >= 16 (Triton 3.6)
     consts = dict(H=num_heads, KVH=num_kv_heads, HG=hg, BLOCK_H=max(16, triton.next_power_of_2(hg)), D=d,
                   BS=block_size, BLOCK_N=block_n, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), SPLIT=split,
-                  SPLIT_P2=triton.next_power_of_2(split),
                   BF16_MMA=bf16 and gpu, PREC="tf32x3" if gpu else "ieee")
     types = _common_types(q_dtype) | {"req_ptr": "*i32", "seqlen_ptr": "*i32", "bt_ptr": "*i32",
                                       "out_ptr": f"*{q_dtype}", "ws_ptr": "*fp32", "ml_ptr": "*fp32",
-                                      "cnt_ptr": "*i32", "bt_stride": "i32", "bt_cols": "i32", "scale": "fp32"}
-    warps = num_warps or (8 if d >= 128 else 4)
+                                      "cnt_ptr": "*i32", "bt_stride": "i32", "scale": "fp32"}
+    warps = num_warps or (4 if bf16 or d < 128 else 8)
     return KernelSpec("msa_attention_decode", msa_decode_kernel, types, consts, warps, num_stages,
                       divisible_16=(*_ALIGNED, "ws_ptr", "ml_ptr"))
 
@@ -537,8 +513,7 @@ def _launch_decode(runner: Runner, spec: KernelSpec, q: torch.Tensor, k_data: to
     tiles = q.shape[0] * c["KVH"]
     ws, ml, cnt = _workspace(q.device, tiles, c["SPLIT"], c["BLOCK_H"], c["D"])
     args = (q, k_data, k_scale.view(torch.uint8), v_data, v_scale.view(torch.uint8), selected, positions,
-            req_of_token, seq_lens, block_table, out, ws, ml, cnt, block_table.stride(0), block_table.shape[1],
-            float(scale))
+            req_of_token, seq_lens, block_table, out, ws, ml, cnt, block_table.stride(0), float(scale))
     runner(spec, (tiles * c["SPLIT"],), args)
 
 

@@ -312,7 +312,7 @@ def test_launch_specs_are_in_attention_specs(q_dtype: torch.dtype, monkeypatch: 
     seen: dict[str, set[int]] = {"msa_attention_decode": set(), "msa_attention_prefill": set()}
     calls: list = []
     for t, r in ((1, 1), (2, 1), (4, 1), (8, 1), (9, 1), (8, 8), (32, 8), (64, 8), (100, 16), (33, 32), (256, 32), (257, 32),
-                 (4096, 1), (1000, 3), (16384, 1), (300, 200), (528, 100), (1056, 200), (2112, 300)):
+                 (4096, 1), (1000, 3), (16384, 1), (300, 200)):
         b = _layout_batch(t, r, q_dtype)
         k.msa_sparse_attention(**b, runner=lambda spec, grid, args: calls.append((spec, grid, args)), max_q_rows=8)
         (spec, grid, args), = calls[-1:]
