@@ -510,12 +510,16 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, MB, G: tl.constexpr, BS: tl
     is_set = slot < K - 1  # slots of the running top set; slot K - 1 is the own block's
     # First chunk: the set is empty, so its K - 1 best keys ARE the set: one max-reduction each (keys are
     # unique: the index is part of them), in order, so slot i holds the (i+1)-th best (or NONE).
+    # Stops early when the candidates run out (short contexts: a few blocks, a few reductions).
     keys = _topk_keys(row, 0, n_scan, own, CH, BIG, NONE)
     top = tl.full([KO], NONE, tl.int64)
-    for i in tl.static_range(K - 1):
-        best = tl.max(keys)
-        top = tl.where(slot == i, best, top)
+    best = tl.max(keys)
+    filled = 0
+    while (filled < K - 1) & (best > NONE):
+        top = tl.where(slot == filled, best, top)
         keys = tl.where(keys == best, NONE, keys)
+        best = tl.max(keys)
+        filled += 1
     for c0 in range(CH, n_scan, CH):  # later chunks (tables wider than CH): replace the set's minimum
         keys = _topk_keys(row, c0, n_scan, own, CH, BIG, NONE)
         thr = tl.min(tl.where(is_set, top, TOP))
