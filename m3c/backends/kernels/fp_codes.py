@@ -13,6 +13,9 @@ on every GPU and in Triton's CPU interpreter (whose float8 conversions are not t
 - ``e4m3_value``: E4M3 bytes as their plain float32 value in ~6 ops (cheaper than ``e4m3_to_f32``);
 - ``e4m3_tiny``: E4M3 bytes as value × 2^-120 in 4 ops, no NaN handling (the MXFP8 mainloops: × TWO_120).
 
+Two register helpers the CUDA-core paths share: ``pow2`` (2^e for an int32 e, exact) and ``slices8`` (the
+8 in-thread lanes of a [A, B, 8] tensor as 8 [A, B] tensors, no data movement).
+
 And the other way, ``to_stored``: float32 results into a stored dtype, bf16 rounded to nearest-even in
 integer arithmetic, because Triton's CPU interpreter truncates float32 -> bf16 casts (a bias of up to
 2^-8 per store that piles up over a kernel's stores: ~0.9% on a MoE layer); on a GPU it is the same
@@ -120,3 +123,22 @@ def to_stored(x, ty: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # now exact in bf16
     return x.to(ty)
+
+
+@triton.jit
+def pow2(e):
+    """2^e as float32 for int32 e in [-126, 127] (a normal power of two, exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def slices8(x):
+    """x[..., 0], ..., x[..., 7] of x [A, B, 8] as a tuple (in-thread registers: no data movement)."""
+    a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 4, 2]))  # even, odd k
+    a0, a1 = tl.split(tl.reshape(a, [x.shape[0], x.shape[1], 2, 2]))  # k = 0, 4 / 2, 6
+    b0, b1 = tl.split(tl.reshape(b, [x.shape[0], x.shape[1], 2, 2]))  # k = 1, 5 / 3, 7
+    k0, k4 = tl.split(a0)
+    k2, k6 = tl.split(a1)
+    k1, k5 = tl.split(b0)
+    k3, k7 = tl.split(b1)
+    return k0, k1, k2, k3, k4, k5, k6, k7

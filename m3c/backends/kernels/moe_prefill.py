@@ -79,6 +79,7 @@ from m3c.backends.kernels.fp_codes import (
     to_stored,
 )
 from m3c.backends.kernels.host import derived, interpreting
+from m3c.backends.kernels.moe_gemv_wide import fc1_wide, fc2_wide
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -444,8 +445,9 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, s
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
-                   PIPE: tl.constexpr):
-    """FC1 + SiLU·up of one row tile × BN intermediate columns: shared tiles first, then routed tiles."""
+                   PIPE: tl.constexpr, WBK: tl.constexpr):
+    """FC1 + SiLU·up of one row tile × BN intermediate columns: shared tiles first, then routed tiles (WBK > 0:
+    NVFP4 routed GEMV tiles take the wide path, :mod:`m3c.backends.kernels.moe_gemv_wide`)."""
     pid_m = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     m = tl.arange(0, BM)
@@ -464,7 +466,11 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, s
             valid = p < hi
             pair = tl.load(order_ptr + p, mask=valid, other=0)
             tok = (pair // TOPK).to(tl.int32)
-            if GEMV:
+            if GEMV and WBK > 0 and FMT == 2:
+                x_row, ok = _row_ptr(x_ptr, tok, valid.to(tl.int32), 0, H)
+                fc1_wide(x_row, ok, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, _lane(p, 0), H,
+                         INTER, BM, BN, WBK)
+            elif GEMV:
                 _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
                           INTER, FMT, BM, BN, BK, PIPE)
             else:
@@ -478,8 +484,8 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_p
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
-                   PIPE: tl.constexpr):
-    """FC2 × routing weight of one row tile × BN hidden columns into y [T, TOPK + HAS_SHARED, H]."""
+                   PIPE: tl.constexpr, WBK: tl.constexpr):
+    """FC2 × routing weight of one row tile × BN hidden columns into y [T, TOPK + HAS_SHARED, H] (WBK: as FC1)."""
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     pid_m = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -502,7 +508,11 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_p
             pair = tl.load(order_ptr + p, mask=valid, other=0).to(tl.int32)
             wt = tl.load(wts_ptr + pair, mask=valid, other=0.0)
             yrows = (pair // TOPK) * SLOTS + pair % TOPK
-            if GEMV:
+            if GEMV and WBK > 0 and FMT == 2:
+                a_row, ok = _row_ptr(act_ptr, p, valid.to(tl.int32), 0, INTER)
+                fc2_wide(a_row, ok, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, _lane(wt, 0), y_ptr, _lane(yrows, 0),
+                         INTER, H, BM, BN, WBK)
+            elif GEMV:
                 _fc2_gemv(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
                           FMT, BM, BN, BK, PIPE)
             else:
@@ -564,6 +574,7 @@ class Tiles:
     cwarps: int = 4
     gemv: bool = False  # CUDA-core FMA tiles (bm <= 4 rows: weights decoded once per program, no MMA)
     pipe: int = 0  # GEMV tiles: 0 = next step's bytes prefetched in registers; n > 1 = tl.range(num_stages=n)
+    wide_bk: int = 0  # GEMV tiles, bm 1, NVFP4 routed weights: > 0 = the wide path (16-byte loads, K step wide_bk)
 
 
 def _divides(options: tuple[int, ...], *dims: int) -> int:
@@ -627,7 +638,7 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> tuple[KernelSpec, ...]:
     common = dict(H=lay.hidden, INTER=lay.inter, S=lay.shared_inter if has_sh else 0, TOPK=lay.top_k, E=lay.experts,
                   EP=triton.next_power_of_2(lay.experts), FMT=FMT_CODES[lay.w13_fmt],
                   SFMT=FMT_CODES[sfmt] if sfmt else 0, HAS_SHARED=has_sh, BM=tiles.bm, BK=tiles.bk, DOT_F32=dot_f32,
-                  GEMV=tiles.gemv, PIPE=tiles.pipe)
+                  GEMV=tiles.gemv, PIPE=tiles.pipe, WBK=tiles.wide_bk)
     w = {"wd_ptr": _ptr(lay.w13_fmt, True), "ws_ptr": _ptr(lay.w13_fmt, False), "wg_ptr": "*fp32",
          "sd_ptr": _ptr(sfmt, True), "ss_ptr": _ptr(sfmt, False)}
     t1 = {"x_ptr": act, "order_ptr": "*i32", "offs_ptr": "*i32", **w, "act_ptr": act,
@@ -811,6 +822,12 @@ def _check_tiles(lay: Layout, tiles: Tiles) -> None:
         bad.append(f"GEMV tiles hold 1, 2 or 4 rows, not bm={tiles.bm}")
     if tiles.pipe and not tiles.gemv:
         bad.append("pipe applies to GEMV tiles only (the tensor-core tiles pipeline through `stages`)")
+    if tiles.wide_bk:
+        if not tiles.gemv or tiles.bm != 1:
+            bad.append(f"wide_bk needs GEMV tiles of one row (gemv={tiles.gemv}, bm={tiles.bm})")
+        if tiles.wide_bk % 32:
+            bad.append(f"wide_bk={tiles.wide_bk} must be a multiple of 32 (16-byte word groups)")
+        bad += [f"wide_bk={tiles.wide_bk} does not divide {dim}" for dim in (h, i) if dim % tiles.wide_bk]
     if bad:
         raise ShapeError(f"tiling {tiles} does not fit hidden={h}, inter={i}, shared_inter={s}: " + "; ".join(bad))
 

@@ -104,7 +104,7 @@ import triton
 import triton.language as tl
 
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
-from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value
+from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value, pow2, slices8
 from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
@@ -222,25 +222,6 @@ def _block_max(acc, vis, M: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr):
 
 
 @triton.jit
-def _pow2(e):
-    """2^e as float32 for int32 e in [-126, 127] (a normal power of two, exact)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _slices8(x):
-    """x[..., 0], ..., x[..., 7] of x [A, B, 8] as a tuple (in-thread registers: no data movement)."""
-    a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 4, 2]))  # even, odd k
-    a0, a1 = tl.split(tl.reshape(a, [x.shape[0], x.shape[1], 2, 2]))  # k = 0, 4 / 2, 6
-    b0, b1 = tl.split(tl.reshape(b, [x.shape[0], x.shape[1], 2, 2]))  # k = 1, 5 / 3, 7
-    k0, k4 = tl.split(a0)
-    k2, k6 = tl.split(a1)
-    k1, k5 = tl.split(b0)
-    k3, k7 = tl.split(b1)
-    return k0, k1, k2, k3, k4, k5, k6, k7
-
-
-@triton.jit
 def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
               G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr, FS: tl.constexpr,
               R: tl.constexpr):
@@ -275,11 +256,11 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
         ef = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, 1), 254)
         sh = 246 - ef  # S in [-8, 245]: q · 2^S = q · 2^s1 · 2^(S - s1), exact (q' normal or zero)
         s1 = tl.minimum(sh, 127)
-        up1 = _pow2(s1)
-        up2 = _pow2(sh - s1)
+        up1 = pow2(s1)
+        up2 = pow2(sh - s1)
         dn = tl.minimum(ef - 120, 127)  # 2^(126 - S) = 2^(ef - 120) = 2^dn · 2^(ef - 120 - dn), dn >= -119
-        pair = (_slices8((q_a * up1 * up2)[None, :, :]) + _slices8((q_b * up1 * up2)[None, :, :]), _pow2(dn),
-                _pow2(ef - 120 - dn), tl.where(valid, tl.load(pos_ptr + tok).to(tl.int32), -1), valid,
+        pair = (slices8((q_a * up1 * up2)[None, :, :]) + slices8((q_b * up1 * up2)[None, :, :]), pow2(dn),
+                pow2(ef - 120 - dn), tl.where(valid, tl.load(pos_ptr + tok).to(tl.int32), -1), valid,
                 out_ptr + (tok * G + i % G) * MB)
         pairs = pairs + (pair,)  # noqa: RUF005 (Triton's compiler has no starred tuples)
     for b0 in tl.range(c_lo, vis_hi, NBT, num_stages=FS):  # FS > 1: Triton pipelines the key loads (cp.async)

@@ -163,12 +163,14 @@ GEMV_CASES = {
 }
 
 
-@pytest.mark.parametrize("bucket,pipe", [("gemv1", 0), ("gemv2", 0), ("gemv4", 0), ("gemv1", 3), ("gemv4", 2)])
+@pytest.mark.parametrize("bucket,pipe,wide", [("gemv1", 0, 0), ("gemv2", 0, 0), ("gemv4", 0, 0), ("gemv1", 3, 0),
+                                             ("gemv4", 2, 0), ("gemv1", 0, 32)])
 @pytest.mark.parametrize("case", list(GEMV_CASES))
-def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, rng: torch.Generator) -> None:
+def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, wide: int, rng: torch.Generator) -> None:
     """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, bytes prefetched in registers or pipelined by Triton
-    (``pipe``), in every weight format: experts holding more rows than a tile, tiles with fewer rows than
-    their size, and the shared expert's partial last tile all match."""
+    (``pipe``), or the wide path for NVFP4 routed weights (``wide``: its K step), in every weight format:
+    experts holding more rows than a tile, tiles with fewer rows than their size, and the shared expert's
+    partial last tile all match."""
     t, h, inter, e, k, s, fmt, sfmt, act = GEMV_CASES[case]
     mp = _mp()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,7 +190,7 @@ def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, rng: torc
     x, ids, wts, w13, w2, sh13, sh2 = (_to(v, dev) for v in (x, ids, wts, w13, w2, sh13, sh2))
     xa = x.to(act)
     lay = mp._layout(xa, ids, wts, w13, w2, sh13, sh2)
-    tiles = dataclasses.replace(mp._tile_options(lay, bucket, mp.interpreting()), pipe=pipe)
+    tiles = dataclasses.replace(mp._tile_options(lay, bucket, mp.interpreting()), pipe=pipe, wide_bk=wide)
     assert tiles.gemv and tiles.bm == int(bucket[4:])
     out = torch.full_like(xa, float("nan"))
     mp._launch(xa, ids, wts, w13, w2, sh13, sh2, lay, tiles, mp.jit_run, out)
@@ -278,7 +280,11 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
     assert len(gemv) == 2 and all(sp.enable_fp_fusion for sp in gemv)
     lay = mp.Layout(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")  # + the pipelined GEMV option (benchmarked)
     piped = list(mp._specs(lay, dataclasses.replace(mp._tile_options(lay, "gemv1", False), pipe=3), False)[:2])
-    built = compile_kernels(large + gemv + piped)
+    wide = list(mp._specs(lay, dataclasses.replace(mp._tile_options(lay, "gemv1", False), wide_bk=512), False)[:2])
+    built = compile_kernels(large + gemv + piped + wide)
+    for b in built[-2:]:  # the wide GEMV path: 16-byte code loads, no spills
+        assert "ld.global.v4.b32" in b.stages["ptx"] and _ptxas_spills(b.stages["ptx"]) in (None, 0), b.name
+    built = built[:-2]
     assert all("cp.async" in b.stages["ptx"] for b in built[-2:])  # Triton streams the weight bytes
     assert all("cp.async" not in b.stages["ptx"] for b in built[-4:-2])  # pipe 0: register prefetch only
     built = built[:-2]
