@@ -78,7 +78,7 @@ import triton
 import triton.language as tl
 
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
-from m3c.backends.kernels.fp_codes import e2m1_to_f32, e4m3_to_f32, to_stored
+from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, to_stored
 from m3c.backends.kernels.host import interpreting, num_sms
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
@@ -87,23 +87,31 @@ from m3c.errors import ShapeError
 
 @triton.jit
 def _dequant_rows(data_ptr, scale_ptr, tok, rmask, BLOCK_N: tl.constexpr, D2: tl.constexpr):
-    """Dequantized (even columns, odd columns) float32 [BLOCK_N, D/2] of cache rows `tok` (token·KVH + head)."""
+    """Dequantized (even columns, odd columns) float32 [BLOCK_N, D/2] of cache rows `tok` (token·KVH + head),
+    × 2^-7: a nibble placed into float32 bits (``e2m1_tiny``, value × 2^-126, 3 ops) times its scale as
+    value × 2^119 (``e4m3_big``). Exact (<= 6 significant bits, within bf16's range); callers undo the 2^-7
+    with power-of-two multiplies (:data:`DEQ_UNDO`)."""
     j = tl.arange(0, D2)
     byte = tl.load(data_ptr + tok[:, None] * D2 + j[None, :], mask=rmask[:, None], other=0).to(tl.int32)
     sc = tl.load(scale_ptr + tok[:, None] * (D2 // 8) + tl.arange(0, D2 // 8)[None, :], mask=rmask[:, None], other=0)
-    s = e4m3_to_f32(sc.to(tl.int32))  # [BLOCK_N, D/16]: one contiguous load, decoded once, broadcast to its 8 bytes
+    s = e4m3_big(sc.to(tl.int32))  # [BLOCK_N, D/16]: one contiguous load, decoded once, broadcast to its 8 bytes
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, D2 // 8, 8]), [BLOCK_N, D2])
-    return e2m1_to_f32(byte & 15) * s, e2m1_to_f32(byte >> 4) * s
+    return e2m1_tiny(byte, 0) * s, e2m1_tiny(byte, 4) * s
+
+
+DEQ_UNDO = tl.constexpr(128.0)
+"""2^7: `_dequant_rows` values are × 2^-7, so scores take × 2^7 with the softmax scale and outputs × 2^7."""
 
 
 @triton.jit
 def _store_out(out_ptr, q_off, hmask, o_lo, o_hi, l_sum):
-    """Normalize by l (rows with l == 0, i.e. no visible key, give 0) and store even/odd columns."""
+    """Normalize by l (rows with l == 0, i.e. no visible key, give 0) and store even/odd columns; o_lo / o_hi
+    are sums of P × (V × 2^-7) (see `_dequant_rows`): × 2^7 first (exact)."""
     ok = l_sum > 0.0
     den = tl.where(ok, l_sum, 1.0)[:, None]
     ty: tl.constexpr = out_ptr.dtype.element_ty
-    lo = tl.where(ok[:, None], tl.math.div_rn(o_lo, den), 0.0)
-    hi = tl.where(ok[:, None], tl.math.div_rn(o_hi, den), 0.0)
+    lo = tl.where(ok[:, None], tl.math.div_rn(o_lo * DEQ_UNDO, den), 0.0)
+    hi = tl.where(ok[:, None], tl.math.div_rn(o_hi * DEQ_UNDO, den), 0.0)
     tl.store(out_ptr + q_off, to_stored(lo, ty), mask=hmask[:, None])
     tl.store(out_ptr + q_off + 1, to_stored(hi, ty), mask=hmask[:, None])
 
@@ -171,7 +179,7 @@ def msa_decode_kernel(
         tok = (phys * BS + (i % NSUB) * BLOCK_N + rows) * KVH + g
         k_lo, k_hi = _dequant_rows(kd_ptr, ks_ptr, tok, vis, BLOCK_N, D2)
         s = _dot(q_lo, tl.trans(k_lo), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), BF16_MMA, PREC)
-        s = _dot(q_hi, tl.trans(k_hi), s, BF16_MMA, PREC) * scale
+        s = _dot(q_hi, tl.trans(k_hi), s, BF16_MMA, PREC) * (scale * DEQ_UNDO)
         s = tl.where(vis[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -296,7 +304,7 @@ def msa_prefill_kernel(
         tok = (phys * BS + sub * BLOCK_N + rows) * KVH + g
         k_lo, k_hi = _dequant_rows(kd_ptr, ks_ptr, tok, kv_ok, BLOCK_N, D2)
         s = _dot(q_lo, tl.trans(k_lo), tl.zeros([M, BLOCK_N], tl.float32), BF16_MMA, PREC)
-        s = _dot(q_hi, tl.trans(k_hi), s, BF16_MMA, PREC) * scale
+        s = _dot(q_hi, tl.trans(k_hi), s, BF16_MMA, PREC) * (scale * DEQ_UNDO)
         vis = (((bits >> mrow) & 1) != 0)[:, None] & (kpos[None, :] <= pos_m[:, None]) & kv_ok[None, :]
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
