@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One device call's worth of checks, for the H200 machine (30 device minutes a session, 10 a call): run from
+# the repository root with PYTHONPATH=. and $OUT set; writes logs and JSON under $OUT and prints a summary.
+#
+#   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
+#   bash benchmarks/device_check.sh bench        # e2e, MoE decode points, MSA quick grid, traces (~250 s)
+#   bash benchmarks/device_check.sh sweep        # MoE GEMV tilings at T = 1, 4; attention decode tilings (~150 s)
+#
+# Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
+set -u
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONPATH=${PYTHONPATH:-.}
+t0=$(date +%s)
+mark() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
+
+tests() {
+  local p="python -m pytest -m gpu -q -p no:cacheprovider"
+  ($p tests/backends/kernels/test_msa_attention.py tests/fused/test_sparse_attention.py tests/runtime tests/frontend \
+     > "$OUT/t_attn_runtime.log" 2>&1; echo "rc=$?" >> "$OUT/t_attn_runtime.log") &
+  ($p tests/backends/kernels/test_moe_prefill.py > "$OUT/t_moe_prefill.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_prefill.log") &
+  ($p tests/backends/kernels/test_moe_routing.py tests/backends/kernels/test_qkv_fused.py \
+     tests/backends/kernels/test_msa_indexer.py > "$OUT/t_route_qkv_indexer.log" 2>&1
+   echo "rc=$?" >> "$OUT/t_route_qkv_indexer.log") &
+  ($p tests/backends/kernels/test_moe_decode.py tests/fused/test_moe.py tests/test_cli_compile.py \
+     > "$OUT/t_moe_cli.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_cli.log") &
+  wait
+  mark tests
+  for f in "$OUT"/t_*.log; do echo "$(basename "$f"): $(grep -E 'passed|failed' "$f" | tail -1)"; grep -E '^FAILED' "$f"; done
+}
+
+bench() {
+  timeout 110 python benchmarks/bench_e2e.py --preset m3.1-small --prompt-tokens 512 --decode-steps 32 \
+    --no-torch-compile > "$OUT/e2e.txt" 2>&1; mark e2e
+  timeout 100 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>&1; mark moe
+  timeout 150 python benchmarks/bench_msa.py --quick --no-reference > "$OUT/msa.txt" 2>&1; mark msa
+  timeout 40 python benchmarks/profile_targets.py attn1m --trace > "$OUT/trace_attn1m.txt" 2>&1
+  timeout 40 python benchmarks/profile_targets.py moe1 --trace > "$OUT/trace_moe1.txt" 2>&1; mark traces
+  tail -6 "$OUT/e2e.txt"; grep -v '^{' "$OUT/moe.txt" | tail -6; tail -14 "$OUT/msa.txt"
+  grep -E '^ +[0-9]' "$OUT/trace_attn1m.txt" | head -6; grep -E '^ +[0-9]' "$OUT/trace_moe1.txt" | head -8
+}
+
+sweep() {
+  timeout 150 python benchmarks/bench_moe_gemv_tiles.py --tokens 1 4 > "$OUT/moe_gemv.txt" 2>&1; mark gemv
+  timeout 80 python benchmarks/bench_msa_attention_decode.py --contexts 32768 --batches 1 8 --splits 8 16 \
+    --stages 1 3 --warps 4 8 --block-n 64 > "$OUT/attn_sweep.txt" 2>&1; mark attention
+  grep -E '^ +[0-9]+ (gemv|mma)' "$OUT/moe_gemv.txt"; grep -E '^ +[0-9]{5}' "$OUT/attn_sweep.txt"
+}
+
+for step in "$@"; do
+  case "$step" in
+    tests|bench|sweep) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench or sweep" >&2; exit 2 ;;
+  esac
+done
