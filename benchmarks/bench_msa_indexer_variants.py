@@ -27,7 +27,7 @@ import triton.testing
 from _timing import bench_graph, record_point, write_results
 
 from m3c.backends.kernels import msa_indexer as mi
-from m3c.backends.kernels.msa_indexer import DEQ_MODES, _topk_ch, _topk_spec, msa_indexer
+from m3c.backends.kernels.msa_indexer import DEQ_MODES, _topk_spec, _topk_workspace, msa_indexer, topk_plan
 from m3c.backends.triton_aot import jit_run
 from m3c.model_defs import ops as mops
 
@@ -70,8 +70,10 @@ def dense_sdpa_ms(rows: int, ctx: int, batch: int) -> float:
 def time_topk(scores: torch.Tensor, pos: torch.Tensor, sel: torch.Tensor) -> float:
     """Graph-replay ms of kernel 2 alone (the top-k over [T, 1, max_blocks] scores; the same in every path)."""
     t, _, mb = scores.shape
-    spec = _topk_spec(1, BS, TOPK, _topk_ch(mb))
-    return bench_graph(lambda: jit_run(spec, (t,), (scores, pos, sel, mb)))
+    ch, n_sl = topk_plan(t, mb, torch.cuda.get_device_properties(0).multi_processor_count)
+    spec = _topk_spec(1, BS, TOPK, ch)
+    cand, cnt = _topk_workspace(scores.device, t, spec.constexprs["KO"])
+    return bench_graph(lambda: jit_run(spec, (t, n_sl), (scores, pos, sel, cand, cnt, mb)))
 
 
 def run_decode(ctx: int, batch: int, max_q_rows: int, modes: tuple[str, ...] = DEQ_MODES) -> list[dict]:

@@ -68,7 +68,9 @@ float32, and the tests check the bit formulas of the PTX on every byte in torch.
 Scores are then masked per row (future keys -inf), max-pooled per block (NaN if a visible score is
 NaN, as torch.amax) and stored as [T, G, max_blocks] float32.
 
-Kernel 2 ``topk_blocks_kernel``, one program per (query row, group): streams the row's scores over
+Kernel 2 ``topk_blocks_kernel``, one program per (query row, group) — or, for decode launches of fewer rows
+than SMs over tables wider than 1,024 blocks, up to TOPK_SLICES programs per row, each over a slice, the
+last to finish merging their candidates (:func:`topk_plan`) —: streams the row's scores over
 blocks 0..own (later blocks hold only future keys, hence -inf; CAUSAL=False scans all) in chunks of
 CH, packing each score and its index into one int64 key (order-preserving float bits << 32 |
 (2^31 - 1 - index)) so one max-reduction yields the best score with ties to the smaller index. A
@@ -139,6 +141,8 @@ PREFILL_M = 128
 
 TOPK_CH = (1024, 8192)
 """Top-k chunk widths, bucketed over block-table widths (8,192 blocks = 1M tokens at block 128)."""
+TOPK_SLICES = 8
+"""Most slices a decode row's top-k is split into (:func:`topk_plan`)."""
 
 _TWO_126 = tl.constexpr(8.507059173023462e37)  # 2^126: e2m1_tiny × 2^126 = the E2M1 value
 # E2M1 nibbles -> E4M3 bytes worth value × 2^-6, four packed bytes per instance (low / high nibbles).
@@ -474,25 +478,9 @@ def _topk_keys(row, c0, n_scan, own, CH: tl.constexpr, BIG: tl.constexpr, NONE: 
 
 
 @triton.jit
-def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, MB, G: tl.constexpr, BS: tl.constexpr, K: tl.constexpr,
-                       KO: tl.constexpr, CH: tl.constexpr, CAUSAL: tl.constexpr):
-    """out[t, g, :K]: own block + top K-1 other blocks of scores[t, g, :] (ties -> smaller), ascending, -1 padded.
-
-    CAUSAL: scan only blocks 0..own (kernel 1's scores are -inf past the own block); else all MB blocks.
-    """
-    NONE: tl.constexpr = -9223372036854775807  # below every packed key (a finite or +inf score)
-    TOP: tl.constexpr = 9223372036854775807
-    BIG: tl.constexpr = 2147483647  # "no block": sorts after every real index
-    pid = tl.program_id(0)  # t * G + g
-    own = tl.load(pos_ptr + pid // G).to(tl.int64) // BS
-    n_scan = tl.minimum(own + 1, MB) if CAUSAL else MB
-    row = scores_ptr + pid.to(tl.int64) * MB
-    slot = tl.arange(0, KO)
-    is_set = slot < K - 1  # slots of the running top set; slot K - 1 is the own block's
-    # First chunk: the set is empty, so its K - 1 best keys ARE the set: one max-reduction each (keys are
-    # unique: the index is part of them), in order, so slot i holds the (i+1)-th best (or NONE).
-    # Stops early when the candidates run out (short contexts: a few blocks, a few reductions).
-    keys = _topk_keys(row, 0, n_scan, own, CH, BIG, NONE)
+def _topk_fill(keys, slot, K: tl.constexpr, KO: tl.constexpr, NONE: tl.constexpr):
+    """The K - 1 best of `keys` (unique packed keys) into slots 0..K-2 of a [KO] set, best first, NONE where they
+    run out: one block-wide max-reduction per slot, stopping when the keys do."""
     top = tl.full([KO], NONE, tl.int64)
     best = tl.max(keys)
     filled = 0
@@ -501,8 +489,38 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, MB, G: tl.constexpr, BS: tl
         keys = tl.where(keys == best, NONE, keys)
         best = tl.max(keys)
         filled += 1
-    for c0 in range(CH, n_scan, CH):  # later chunks (tables wider than CH): replace the set's minimum
-        keys = _topk_keys(row, c0, n_scan, own, CH, BIG, NONE)
+    return top
+
+
+@triton.jit
+def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cnt_ptr, MB, G: tl.constexpr, BS: tl.constexpr,
+                       K: tl.constexpr, KO: tl.constexpr, CH: tl.constexpr, CAUSAL: tl.constexpr,
+                       NSMAX: tl.constexpr):
+    """out[t, g, :K]: own block + top K-1 other blocks of scores[t, g, :] (ties -> smaller), ascending, -1 padded.
+
+    CAUSAL: scan only blocks 0..own (kernel 1's scores are -inf past the own block); else all MB blocks.
+    Grid (T·G, S), S <= NSMAX slices of a row: each program takes the top K-1 of its slice; with S > 1 each
+    writes them to cand [T·G, NSMAX, KO] and the last to finish (cnt [T·G]: zero on entry and exit) merges
+    the S·(K-1) candidates and writes the row.
+    """
+    NONE: tl.constexpr = -9223372036854775807  # below every packed key (a finite or +inf score)
+    TOP: tl.constexpr = 9223372036854775807
+    BIG: tl.constexpr = 2147483647  # "no block": sorts after every real index
+    pid = tl.program_id(0)  # t * G + g
+    sl = tl.program_id(1)
+    n_sl = tl.num_programs(1)
+    own = tl.load(pos_ptr + pid // G).to(tl.int64) // BS
+    n_scan = tl.minimum(own + 1, MB) if CAUSAL else MB
+    width = (n_scan + n_sl - 1) // n_sl
+    lo = sl * width
+    hi = tl.minimum(lo + width, n_scan)
+    row = scores_ptr + pid.to(tl.int64) * MB
+    slot = tl.arange(0, KO)
+    is_set = slot < K - 1  # slots of the running top set; slot K - 1 is the own block's
+    # The slice's first chunk: the set is empty, so its K - 1 best keys ARE the set.
+    top = _topk_fill(_topk_keys(row, lo, hi, own, CH, BIG, NONE), slot, K, KO, NONE)
+    for c0 in range(lo + CH, hi, CH):  # later chunks (slices wider than CH): replace the set's minimum
+        keys = _topk_keys(row, c0, hi, own, CH, BIG, NONE)
         thr = tl.min(tl.where(is_set, top, TOP))
         best = tl.max(keys)
         while best > thr:  # the chunk's best beats the set's minimum: replace it
@@ -511,11 +529,23 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, MB, G: tl.constexpr, BS: tl
             keys = tl.where(keys == best, NONE, keys)
             thr = tl.min(tl.where(is_set, top, TOP))
             best = tl.max(keys)
-    chosen = is_set & (top != NONE)
-    cand = tl.where(chosen, BIG - (top & 0x7FFFFFFF), tl.where(slot == K - 1, own, BIG))
-    before = (cand[None, :] < cand[:, None]) | ((cand[None, :] == cand[:, None]) & (slot[None, :] < slot[:, None]))
-    rank = tl.sum(before.to(tl.int32), axis=1)
-    tl.store(out_ptr + pid.to(tl.int64) * K + rank, tl.where(cand == BIG, -1, cand), mask=rank < K)
+    last = n_sl == 1  # a runtime i1 in both branches (not a Python bool: Triton merges if-branch types)
+    if n_sl > 1:  # every slice's candidates to the workspace; the last slice to finish merges them
+        cbase = cand_ptr + pid.to(tl.int64) * (NSMAX * KO)
+        tl.store(cbase + sl * KO + slot, top)
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        last = done == n_sl - 1
+        if last:
+            c = tl.arange(0, NSMAX * KO)
+            got = tl.load(cbase + c, mask=(c // KO < n_sl) & (c % KO < K - 1), other=NONE, cache_modifier=".cg")
+            top = _topk_fill(got, slot, K, KO, NONE)
+            tl.store(cnt_ptr + pid, 0)
+    if last:
+        chosen = is_set & (top != NONE)
+        cand = tl.where(chosen, BIG - (top & 0x7FFFFFFF), tl.where(slot == K - 1, own, BIG))
+        before = (cand[None, :] < cand[:, None]) | ((cand[None, :] == cand[:, None]) & (slot[None, :] < slot[:, None]))
+        rank = tl.sum(before.to(tl.int32), axis=1)
+        tl.store(out_ptr + pid.to(tl.int64) * K + rank, tl.where(cand == BIG, -1, cand), mask=rank < K)
 
 
 def pick_chunk_blocks(n_prog: int, max_blocks: int, nbt: int, num_sms: int) -> int:
@@ -573,14 +603,39 @@ def _build_scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int,
 
 @functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _topk_spec(g: int, block_size: int, top_k: int, ch: int) -> KernelSpec:
-    consts = dict(G=g, BS=block_size, K=top_k, KO=max(2, triton.next_power_of_2(top_k)), CH=ch, CAUSAL=True)
-    types = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "MB": "i32"}
+    ko = max(2, triton.next_power_of_2(top_k))
+    consts = dict(G=g, BS=block_size, K=top_k, KO=ko, CH=ch, CAUSAL=True, NSMAX=TOPK_SLICES)
+    types = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "cand_ptr": "*i64", "cnt_ptr": "*i32",
+             "MB": "i32"}
     return KernelSpec("msa_topk_blocks", topk_blocks_kernel, types, consts, max(4, min(16, ch // 512)), 1,
                       divisible_16=("scores_ptr", "out_ptr"))
 
 
 def _topk_ch(max_blocks: int) -> int:
     return next((c for c in TOPK_CH if max_blocks <= c), TOPK_CH[-1])  # wider tables: the chunk loop
+
+
+def topk_plan(rows: int, max_blocks: int, num_sms: int) -> tuple[int, int]:
+    """(chunk width CH, slices per row) of the top-k launch, from shapes only. Few rows (decode) split each row
+    into up to TOPK_SLICES slices of <= TOPK_CH[0] blocks, merged exactly by the last slice to finish (one
+    program per row spends ~1 µs per block-wide reduction over 8,192 blocks, 15 of them: 14.8 µs at 1M on the
+    H200); prefill-sized launches (rows >= SMs) keep one program per row."""
+    if rows >= num_sms or max_blocks <= TOPK_CH[0]:
+        return _topk_ch(max_blocks), 1
+    return TOPK_CH[0], min(TOPK_SLICES, triton.cdiv(max_blocks, TOPK_CH[0]))
+
+
+_TOPK_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _topk_workspace(device: torch.device, rows: int, ko: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Persistent candidate keys [rows, TOPK_SLICES, ko] and zeroed counters [rows] of split top-k launches
+    (reused across calls: CUDA-graph safe; the kernel leaves the counters at zero)."""
+    key = (str(device), rows, ko)
+    if key not in _TOPK_WS:
+        _TOPK_WS[key] = (torch.empty(rows * TOPK_SLICES * ko, dtype=torch.int64, device=device),
+                         torch.zeros(max(rows, 1), dtype=torch.int32, device=device))
+    return _TOPK_WS[key]
 
 
 def _prefill_rows(g: int, prefill_m: int) -> int:
@@ -699,5 +754,8 @@ def msa_indexer(
     runner(spec, (n_prog, triton.cdiv(mb, chunk)),
            (index_q, k_data, k_scale.view(torch.uint8), positions, query_start_loc, seq_lens, block_table, scores,
             index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, n_req, chunk))
-    runner(_topk_spec(g, block_size, top_k, _topk_ch(mb)), (t * g,), (scores, positions, selected, mb))
+    ch, n_sl = topk_plan(t * g, mb, num_sms(dev))
+    spec = _topk_spec(g, block_size, top_k, ch)
+    cand, cnt = _topk_workspace(dev, t * g, spec.constexprs["KO"])
+    runner(spec, (t * g, n_sl), (scores, positions, selected, cand, cnt, mb))
     return scores, selected

@@ -338,14 +338,29 @@ def test_nan_scale_gives_nan_score_never_selected(deq: str, rng: torch.Generator
     assert 3 not in sel[0, 0].tolist()
 
 
-def _select(scores: torch.Tensor, positions: torch.Tensor, bs: int, top_k: int, ch: int, causal: bool) -> torch.Tensor:
-    """Kernel 2 alone over given scores, with chunk width `ch`."""
+def _select(scores: torch.Tensor, positions: torch.Tensor, bs: int, top_k: int, ch: int, causal: bool,
+            slices: int = 1) -> torch.Tensor:
+    """Kernel 2 alone over given scores, with chunk width `ch`, each row split into `slices` programs."""
     mi = _kernels()
     t, g, mb = scores.shape
+    ko = max(2, 1 << (top_k - 1).bit_length())
     out = torch.full((t, g, top_k), -7, dtype=torch.int64)
-    mi.topk_blocks_kernel[(t * g,)](scores, positions, out, mb, G=g, BS=bs, K=top_k,
-                                    KO=max(2, 1 << (top_k - 1).bit_length()), CH=ch, CAUSAL=causal)
+    cand = torch.full((t * g * mi.TOPK_SLICES * ko,), 12345, dtype=torch.int64)  # poisoned
+    cnt = torch.zeros(t * g, dtype=torch.int32)
+    mi.topk_blocks_kernel[(t * g, slices)](scores, positions, out, cand, cnt, mb, G=g, BS=bs, K=top_k, KO=ko, CH=ch,
+                                           CAUSAL=causal, NSMAX=mi.TOPK_SLICES)
+    assert not cnt.any()  # the counters are left at zero (CUDA-graph replays)
     return out
+
+
+def test_launcher_splits_long_decode_rows(rng: torch.Generator) -> None:
+    """A decode batch of few rows over a table wider than one top-k chunk (1,024 blocks): the launcher splits each
+    row's top-k over programs (topk_plan) and the merged selection equals the reference's."""
+    mi = _kernels()
+    bs = 4
+    b = _batch([4300, 2000], [1, 2], bs, 32, 1, rng, exact=True)  # 1,075 and 500 blocks
+    assert mi.topk_plan(3, b["block_table"].shape[1], 132)[1] == 2
+    _check(b, bs, 16, exact=True, deq="fma")
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 16])
@@ -364,11 +379,14 @@ def test_topk_special_values_and_many_chunks(top_k: int, rng: torch.Generator) -
     want = ops.select_blocks(scores, positions, bs, top_k)
     for ch in (16, 64, 512):  # 512 >= mb: the whole row in the first chunk
         assert torch.equal(_select(scores, positions, bs, top_k, ch, causal=False), want)
+    for ch, slices in ((16, 3), (64, 8), (512, 2)):  # rows split over programs, merged by the last one
+        assert torch.equal(_select(scores, positions, bs, top_k, ch, causal=False, slices=slices), want)
     future = torch.arange(mb)[None, :] > (positions // bs)[:, None]
     scores = scores.masked_fill(future[:, None, :], float("-inf"))
     want = ops.select_blocks(scores, positions, bs, top_k)
     for ch in (16, 512):
         assert torch.equal(_select(scores, positions, bs, top_k, ch, causal=True), want)
+    assert torch.equal(_select(scores, positions, bs, top_k, 16, causal=True, slices=5), want)
 
 
 def test_other_integer_metadata_dtypes_give_the_same_selection(rng: torch.Generator) -> None:
