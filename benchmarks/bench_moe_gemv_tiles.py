@@ -31,7 +31,7 @@ def variants(t: int) -> list[mp.Tiles]:
     out = [g(1, 16, 16, 128, 4, 0), g(1, 16, 16, 64, 2, 0)]
     # the wide path (16-byte code loads, K step `wide`; moe_gemv_wide.py): not measured yet
     out += [g(1, 16, 16, 128, 4, 0, 512), g(1, 16, 16, 128, 4, 0, 256), g(1, 32, 32, 128, 8, 0, 512),
-            g(1, 8, 8, 128, 2, 0, 512), g(1, 16, 16, 128, 4, 0, 1536)]
+            g(1, 8, 8, 128, 2, 0, 512)]
     out += [g(1, 16, 16, 128, 4, 3), g(1, 16, 32, 128, 8, 4)]  # Triton-pipelined (lost at session 10: 240-290 µs)
     if t > 1:
         out += [g(2, 16, 16, 64, 4, 0), g(2, 16, 16, 128, 4, 3)]

@@ -825,8 +825,8 @@ def _check_tiles(lay: Layout, tiles: Tiles) -> None:
     if tiles.wide_bk:
         if not tiles.gemv or tiles.bm != 1:
             bad.append(f"wide_bk needs GEMV tiles of one row (gemv={tiles.gemv}, bm={tiles.bm})")
-        if tiles.wide_bk % 32:
-            bad.append(f"wide_bk={tiles.wide_bk} must be a multiple of 32 (16-byte word groups)")
+        if tiles.wide_bk < 32 or tiles.wide_bk & (tiles.wide_bk - 1):
+            bad.append(f"wide_bk={tiles.wide_bk} must be a power of two >= 32 (16-byte word groups)")
         bad += [f"wide_bk={tiles.wide_bk} does not divide {dim}" for dim in (h, i) if dim % tiles.wide_bk]
     if bad:
         raise ShapeError(f"tiling {tiles} does not fit hidden={h}, inter={i}, shared_inter={s}: " + "; ".join(bad))

@@ -207,7 +207,10 @@ def test_rejects_tilings_that_do_not_fit(rng: torch.Generator) -> None:
     good = mp._tile_options(lay, "gemv1", True)
     for bad, match in ((dataclasses.replace(good, bm=8), "1, 2 or 4 rows"), (dataclasses.replace(good, bk=96), "bk=96"),
                        (dataclasses.replace(good, bn1=48), "bn1=48"),
-                       (dataclasses.replace(mp._tile_options(lay, "small", True), pipe=3), "pipe")):
+                       (dataclasses.replace(mp._tile_options(lay, "small", True), pipe=3), "pipe"),
+                       (dataclasses.replace(good, wide_bk=96), "power of two"),
+                       (dataclasses.replace(good, wide_bk=128), "does not divide 64"),
+                       (dataclasses.replace(mp._tile_options(lay, "gemv2", True), wide_bk=32), "one row")):
         with pytest.raises(ShapeError, match=match):
             mp._launch(x, ids, wts, w13, w2, sh13, sh2, lay, bad, mp.jit_run, None)
 
