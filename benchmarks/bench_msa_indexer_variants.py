@@ -72,7 +72,7 @@ def time_topk(scores: torch.Tensor, pos: torch.Tensor, sel: torch.Tensor) -> flo
     t, _, mb = scores.shape
     ch, n_sl = topk_plan(t, mb, torch.cuda.get_device_properties(0).multi_processor_count)
     spec = _topk_spec(1, BS, TOPK, ch)
-    cand, cnt = _topk_workspace(scores.device, t, spec.constexprs["KO"])
+    cand, cnt = _topk_workspace(scores.device, t, spec.constexprs["KO"], n_sl > 1)
     return bench_graph(lambda: jit_run(spec, (t, n_sl), (scores, pos, sel, cand, cnt, mb)))
 
 

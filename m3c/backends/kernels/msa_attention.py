@@ -200,6 +200,7 @@ def msa_decode_kernel(
         tl.store(ws_ptr + part * (2 * BLOCK_H * D2) + BLOCK_H * D2 + hd, acc_hi)
         tl.store(ml_ptr + part * (2 * BLOCK_H) + h, m_i)
         tl.store(ml_ptr + part * (2 * BLOCK_H) + BLOCK_H + h, l_i)
+        tl.debug_barrier()  # every thread's stores are issued before the (one-thread) release below
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT - 1:  # the last split of this (t, g) merges, in a fixed order
             first_part = (tile * SPLIT).to(tl.int64)

@@ -533,6 +533,7 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cnt_ptr, MB, G: t
     if n_sl > 1:  # every slice's candidates to the workspace; the last slice to finish merges them
         cbase = cand_ptr + pid.to(tl.int64) * (NSMAX * KO)
         tl.store(cbase + sl * KO + slot, top)
+        tl.debug_barrier()  # every thread's stores are issued before the (one-thread) release below
         done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
         last = done == n_sl - 1
         if last:
@@ -628,13 +629,16 @@ def topk_plan(rows: int, max_blocks: int, num_sms: int) -> tuple[int, int]:
 _TOPK_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _topk_workspace(device: torch.device, rows: int, ko: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_workspace(device: torch.device, rows: int, ko: int, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Persistent candidate keys [rows, TOPK_SLICES, ko] and zeroed counters [rows] of split top-k launches
-    (reused across calls: CUDA-graph safe; the kernel leaves the counters at zero)."""
-    key = (str(device), rows, ko)
+    (reused across calls: CUDA-graph safe; the kernel leaves the counters at zero); unsplit launches get a
+    tiny unused pair. Split launches have fewer rows than SMs, so these stay small. Launches of one shape
+    share them: run them on one stream (as every launch of a step is)."""
+    key = (str(device), rows, ko) if split else (str(device),)
     if key not in _TOPK_WS:
-        _TOPK_WS[key] = (torch.empty(rows * TOPK_SLICES * ko, dtype=torch.int64, device=device),
-                         torch.zeros(max(rows, 1), dtype=torch.int32, device=device))
+        n = rows if split else 1
+        _TOPK_WS[key] = (torch.empty(n * TOPK_SLICES * ko, dtype=torch.int64, device=device),
+                         torch.zeros(n, dtype=torch.int32, device=device))
     return _TOPK_WS[key]
 
 
@@ -756,6 +760,6 @@ def msa_indexer(
             index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, n_req, chunk))
     ch, n_sl = topk_plan(t * g, mb, num_sms(dev))
     spec = _topk_spec(g, block_size, top_k, ch)
-    cand, cnt = _topk_workspace(dev, t * g, spec.constexprs["KO"])
+    cand, cnt = _topk_workspace(dev, t * g, spec.constexprs["KO"], n_sl > 1)
     runner(spec, (t * g, n_sl), (scores, positions, selected, cand, cnt, mb))
     return scores, selected

@@ -164,13 +164,13 @@ GEMV_CASES = {
 
 
 @pytest.mark.parametrize("bucket,pipe,wide", [("gemv1", 0, 0), ("gemv2", 0, 0), ("gemv4", 0, 0), ("gemv1", 3, 0),
-                                             ("gemv4", 2, 0), ("gemv1", 0, 32)])
+                                             ("gemv4", 2, 0), ("gemv1", 0, 32), ("gemv1", 0, 64)])
 @pytest.mark.parametrize("case", list(GEMV_CASES))
 def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, wide: int, rng: torch.Generator) -> None:
     """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, bytes prefetched in registers or pipelined by Triton
-    (``pipe``), or the wide path for NVFP4 routed weights (``wide``: its K step), in every weight format:
-    experts holding more rows than a tile, tiles with fewer rows than their size, and the shared expert's
-    partial last tile all match."""
+    (``pipe``), or the wide path (``wide``: its K step; NVFP4 routed weights only — the other formats' cases
+    run the default tiles with it set), in every weight format: experts holding more rows than a tile, tiles
+    with fewer rows than their size, and the shared expert's partial last tile all match."""
     t, h, inter, e, k, s, fmt, sfmt, act = GEMV_CASES[case]
     mp = _mp()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -191,6 +191,8 @@ def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, wide: int
     xa = x.to(act)
     lay = mp._layout(xa, ids, wts, w13, w2, sh13, sh2)
     tiles = dataclasses.replace(mp._tile_options(lay, bucket, mp.interpreting()), pipe=pipe, wide_bk=wide)
+    if wide:
+        assert mp._specs(lay, tiles, mp.interpreting())[0].constexprs["WBK"] == wide  # the launch takes the wide path
     assert tiles.gemv and tiles.bm == int(bucket[4:])
     out = torch.full_like(xa, float("nan"))
     mp._launch(xa, ids, wts, w13, w2, sh13, sh2, lay, tiles, mp.jit_run, out)
