@@ -162,11 +162,13 @@ def main() -> None:
                     help='"fma": software-pipeline stages of the block loop (1: none)')
     ap.add_argument("--deq", nargs="+", choices=DEQ_MODES, default=list(DEQ_MODES), help="dequant paths to time")
     ap.add_argument("--no-prefill", action="store_true", help="decode points only")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default: 1, or 1 8)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts in tokens")
     args = ap.parse_args()
     # read by the spec builder
     mi.FMA_KEYS, mi.FMA_WARPS, mi.FMA_ROWS, mi.FMA_STAGES = args.fma_keys, args.fma_warps, args.fma_rows, args.fma_stages
-    ctxs = (32768, 1 << 20) if args.quick else (32768, 131072, 524288, 1 << 20)
-    batches = (1,) if args.quick else (1, 8)
+    ctxs = args.contexts or ((32768, 1 << 20) if args.quick else (32768, 131072, 524288, 1 << 20))
+    batches = args.batches or ((1,) if args.quick else (1, 8))
     rows: list[dict] = []
     points = [("decode", c, b) for b in batches for c in ctxs]
     if not args.no_prefill:

@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points, MSA quick grid, traces (~250 s)
-#   bash benchmarks/device_check.sh sweep        # MoE GEMV tilings at T = 1, 4; attention decode tilings (~150 s)
+#   bash benchmarks/device_check.sh sweep        # MoE GEMV tilings at T = 1, 4; attention tilings; indexer stages (~200 s)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -44,7 +44,12 @@ sweep() {
   timeout 150 python benchmarks/bench_moe_gemv_tiles.py --tokens 1 4 > "$OUT/moe_gemv.txt" 2>&1; mark gemv
   timeout 80 python benchmarks/bench_msa_attention_decode.py --contexts 32768 --batches 1 8 --splits 8 16 \
     --stages 1 3 --warps 4 8 --block-n 64 > "$OUT/attn_sweep.txt" 2>&1; mark attention
+  for fs in 1 3; do  # the indexer's pipeline stages at batch 8 (throughput-bound; 3 stages: 119 vs 54 registers)
+    timeout 60 python benchmarks/bench_msa_indexer_variants.py --no-prefill --deq fma --contexts 1048576 \
+      --batches 8 --fma-stages $fs > "$OUT/idx_b8_s$fs.txt" 2>&1
+  done; mark indexer
   grep -E '^ +[0-9]+ (gemv|mma)' "$OUT/moe_gemv.txt"; grep -E '^ +[0-9]{5}' "$OUT/attn_sweep.txt"
+  for fs in 1 3; do echo "fma stages $fs:"; tail -1 "$OUT/idx_b8_s$fs.txt"; done
 }
 
 for step in "$@"; do
