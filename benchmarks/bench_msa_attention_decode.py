@@ -21,7 +21,7 @@ import torch
 from _timing import bench_graph, kernel_times, record_point, write_results
 from bench_msa import BS, TOPK, D, make_batch
 
-from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, split_buckets, token_requests
+from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, split_buckets
 
 
 def random_selection(ctx: int, batch: int, gen: torch.Generator) -> torch.Tensor:
@@ -37,7 +37,6 @@ def run(ctx: int, batch: int, args: argparse.Namespace) -> list[dict]:
     b = make_batch(ctx, batch, 1)
     gen = torch.Generator(device="cuda").manual_seed(7)
     sel = random_selection(ctx, batch, gen)
-    rot = token_requests(b["qsl"], batch)
     ref = None
     rows = []
     for split, stages, warps, bn in itertools.product(args.splits, args.stages, args.warps, args.block_n):
@@ -46,7 +45,7 @@ def run(ctx: int, batch: int, args: argparse.Namespace) -> list[dict]:
         def fn(split: int = split, stages: int = stages, warps: int = warps, bn: int = bn,
                out: torch.Tensor = out) -> None:
             msa_sparse_attention_decode(b["q"], b["kd"], b["ks"], b["vd"], b["vs"], sel, b["pos"], b["qsl"],
-                                        b["seq"], b["table"], BS, D**-0.5, split=split, req_of_token=rot,
+                                        b["seq"], b["table"], BS, D**-0.5, split=split,
                                         num_warps=warps, num_stages=stages, block_n=bn, out=out)
 
         fn()

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from _timing import bench, bench_graph, record_point, write_results
 
-from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, token_requests
+from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode
 from m3c.backends.kernels.msa_indexer import msa_indexer
 from m3c.model_defs import ops as mops
 
@@ -46,7 +46,6 @@ def run(ctx: int, batch: int) -> dict:
     pos = (seq - 1).long()
     q = torch.randn((batch, H, D), device=dev, generator=gen).bfloat16()
     iq = torch.randn((batch, 1, D), device=dev, generator=gen).bfloat16()
-    rot = token_requests(qsl, batch)
     row: dict = {"context": ctx, "batch": batch}
     scores, sel = msa_indexer(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK)
     ref_scores = mops.indexer_block_scores(iq[:1].float(), ikd, iks, "nvfp4", pos[:1], qsl[:2], seq[:1], table[:1], BS)
@@ -55,11 +54,11 @@ def run(ctx: int, batch: int) -> dict:
     row["score_max_abs_diff"] = float((scores[:1] - ref_scores).abs().max())
     row["indexer_ms"] = bench(lambda: msa_indexer(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK))
     row["attention_ms"] = bench(lambda: msa_sparse_attention_decode(q, kd, ks, vd, vs, sel, pos, qsl, seq, table, BS,
-                                                                     D**-0.5, req_of_token=rot))
+                                                                     D**-0.5))
     row["msa_total_ms"] = row["indexer_ms"] + row["attention_ms"]
     row["indexer_graph_ms"] = bench_graph(lambda: msa_indexer(iq, ikd, iks, pos, qsl, seq, table, BS, TOPK))
     row["attention_graph_ms"] = bench_graph(lambda: msa_sparse_attention_decode(
-        q, kd, ks, vd, vs, sel, pos, qsl, seq, table, BS, D**-0.5, req_of_token=rot))
+        q, kd, ks, vd, vs, sel, pos, qsl, seq, table, BS, D**-0.5))
     row["msa_graph_total_ms"] = row["indexer_graph_ms"] + row["attention_graph_ms"]
     floor_bytes = batch * (ctx * D * 9 / 16 + TOPK * BS * 2 * KVH * D * 9 / 16)
     row["floor_ms"] = floor_bytes / READ_BW * 1e3

@@ -34,7 +34,8 @@ Common device design.
   float32 q BLOCK_N=32, 8 warps (174-182); prefill see :func:`prefill_config`.
 
 Decode kernel (``msa_decode_kernel``): one program per (query row t, KV group g, split sp), split
-fastest, the heads padded to BLOCK_H >= 16 rows. Flash-decoding: the top-k selection is dealt strided
+fastest, the heads padded to BLOCK_H >= 16 rows; each finds its request from ``query_start_loc`` itself
+(:func:`~m3c.backends.kernels.prefill_tiles.request_of_row`: no token -> request launches per layer). Flash-decoding: the top-k selection is dealt strided
 over SPLIT programs (entry i goes to split i % SPLIT, so ``-1`` padding spreads evenly); each runs an
 online softmax over its blocks and writes (m, l, unnormalized acc) into a float32 workspace; the last
 split to finish (an atomic counter, reset to 0 again, so CUDA-graph replays work) merges all partials
@@ -80,7 +81,7 @@ import triton.language as tl
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, to_stored
 from m3c.backends.kernels.host import interpreting, num_sms
-from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
+from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count, request_of_row
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
@@ -128,11 +129,11 @@ def _dot(a, b, acc, BF16_MMA: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def msa_decode_kernel(
-    q_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, sel_ptr, pos_ptr, req_ptr, seqlen_ptr, bt_ptr, out_ptr,
-    ws_ptr, ml_ptr, cnt_ptr, bt_stride, scale,
+    q_ptr, kd_ptr, ks_ptr, vd_ptr, vs_ptr, sel_ptr, pos_ptr, qsl_ptr, seqlen_ptr, bt_ptr, out_ptr,
+    ws_ptr, ml_ptr, cnt_ptr, n_req, bt_stride, scale,
     H: tl.constexpr, KVH: tl.constexpr, HG: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, BLOCK_N: tl.constexpr, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, SPLIT: tl.constexpr,
-    BF16_MMA: tl.constexpr, PREC: tl.constexpr,
+    BF16_MMA: tl.constexpr, PREC: tl.constexpr, RB: tl.constexpr,
 ):
     """Program = (row t, group g, split sp). ws: f32 [tiles, SPLIT, 2, BLOCK_H, D/2]; ml: f32 [tiles, SPLIT, 2,
     BLOCK_H]; cnt: int32 [tiles], zero on entry and on exit (tile = t * KVH + g). Unused when SPLIT == 1."""
@@ -144,7 +145,7 @@ def msa_decode_kernel(
     tile = pid // SPLIT
     t = tile // KVH
     g = tile % KVH
-    r = tl.load(req_ptr + t).to(tl.int64)
+    r = request_of_row(t, qsl_ptr, n_req, RB).to(tl.int64)  # no separate token -> request launch
     pos = tl.load(pos_ptr + t).to(tl.int64)
     seq_len = tl.load(seqlen_ptr + r).to(tl.int64)
     n_blocks = (seq_len + BS - 1) // BS
@@ -328,12 +329,6 @@ Q_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MAX_SPLIT = 16
 
 
-def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """int32 [T]: the request of each flattened token (on device, no sync; compute once per step)."""
-    tokens = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=query_start_loc.device)
-    return torch.searchsorted(query_start_loc[1:].contiguous(), tokens, right=True, out_int32=True)
-
-
 def split_buckets(top_k: int) -> list[int]:
     """The decode split counts the launcher can pick: powers of two <= min(top_k, 16)."""
     out = [1]
@@ -386,10 +381,10 @@ def decode_spec(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_
     block_n = max(16, min(block_n or (64 if bf16 else 32), block_size))  # dots need K >= 16 (Triton 3.6)
     consts = dict(H=num_heads, KVH=num_kv_heads, HG=hg, BLOCK_H=max(16, triton.next_power_of_2(hg)), D=d,
                   BS=block_size, BLOCK_N=block_n, TOPK=top_k, TOPK_P2=triton.next_power_of_2(top_k), SPLIT=split,
-                  BF16_MMA=bf16 and gpu, PREC="tf32x3" if gpu else "ieee")
-    types = _common_types(q_dtype) | {"req_ptr": "*i32", "seqlen_ptr": "*i32", "bt_ptr": "*i32",
+                  BF16_MMA=bf16 and gpu, PREC="tf32x3" if gpu else "ieee", RB=64)
+    types = _common_types(q_dtype) | {"qsl_ptr": "*i32", "seqlen_ptr": "*i32", "bt_ptr": "*i32",
                                       "out_ptr": f"*{q_dtype}", "ws_ptr": "*fp32", "ml_ptr": "*fp32",
-                                      "cnt_ptr": "*i32", "bt_stride": "i32", "scale": "fp32"}
+                                      "cnt_ptr": "*i32", "n_req": "i32", "bt_stride": "i32", "scale": "fp32"}
     # bf16: 8 warps when split (latency-bound rows: 14.9 vs 18.6 µs at 16 splits, 21.0 vs 27.2 at 8, 32K on the
     # H200), 4 for unsplit launches (prefill-sized batches: measured with 4 warps only)
     warps = num_warps or ((8 if split > 1 else 4) if bf16 else 4 if d < 128 else 8)
@@ -518,13 +513,14 @@ def _checked(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_dat
 
 def _launch_decode(runner: Runner, spec: KernelSpec, q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor,
                    v_data: torch.Tensor, v_scale: torch.Tensor, selected: torch.Tensor, positions: torch.Tensor,
-                   req_of_token: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
+                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
                    scale: float) -> None:
     c = spec.constexprs
     tiles = q.shape[0] * c["KVH"]
     ws, ml, cnt = _workspace(q.device, tiles, c["SPLIT"], c["BLOCK_H"], c["D"])
     args = (q, k_data, k_scale.view(torch.uint8), v_data, v_scale.view(torch.uint8), selected, positions,
-            req_of_token, seq_lens, block_table, out, ws, ml, cnt, block_table.stride(0), float(scale))
+            query_start_loc, seq_lens, block_table, out, ws, ml, cnt, seq_lens.shape[0], block_table.stride(0),
+            float(scale))
     runner(spec, (tiles * c["SPLIT"],), args)
 
 
@@ -555,7 +551,6 @@ def msa_sparse_attention(
     scale: float,
     *,
     runner: Runner = jit_run,
-    req_of_token: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     max_q_rows: int | None = None,
 ) -> torch.Tensor:
@@ -565,8 +560,7 @@ def msa_sparse_attention(
     D/16]); ``selected`` is int [T, KVH, top_k] request-relative block ids (-1 ignored); batch metadata as
     in :class:`m3c.model_defs.kv_cache.BatchMetadata`. The decode kernel runs every batch unless
     ``max_q_rows`` is given: then ``T <= max_q_rows * R`` runs it, else the prefill kernel (0: always
-    prefill). ``req_of_token`` (decode only, from :func:`token_requests`) may be passed to share it across
-    layers; ``out`` may be preallocated. Every launch goes through ``runner``; checks shapes only (no sync).
+    prefill). ``out`` may be preallocated. Every launch goes through ``runner``; checks shapes only (no sync).
     """
     sel, pos, qsl, seq, table, out = _checked(q, k_data, k_scale, v_data, v_scale, selected, positions,
                                               query_start_loc, seq_lens, block_table, block_size, out)
@@ -574,8 +568,7 @@ def msa_sparse_attention(
     if t == 0:
         return out
     if max_q_rows is None or t <= max_q_rows * seq.shape[0]:
-        _decode(runner, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, block_size, scale,
-                req_of_token)
+        _decode(runner, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, block_size, scale)
     else:
         spec = prefill_spec(h, k_data.shape[2], d, block_size, sel.shape[-1], _q_name(q.dtype), gpu=not interpreting())
         _launch_prefill(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, scale)
@@ -584,19 +577,14 @@ def msa_sparse_attention(
 
 def _decode(runner: Runner, q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
             v_scale: torch.Tensor, sel: torch.Tensor, pos: torch.Tensor, qsl: torch.Tensor, seq: torch.Tensor,
-            table: torch.Tensor, out: torch.Tensor, block_size: int, scale: float,
-            req_of_token: torch.Tensor | None, split: int | None = None, **tiles: int | None) -> None:
+            table: torch.Tensor, out: torch.Tensor, block_size: int, scale: float, split: int | None = None,
+            **tiles: int | None) -> None:
     """The decode kernel on checked inputs: split (default: the bucket filling the GPU) and tile overrides."""
     t, h, d = q.shape
     kvh, top_k = k_data.shape[2], sel.shape[-1]
-    if req_of_token is None:
-        req_of_token = token_requests(qsl, t)
-    elif tuple(req_of_token.shape) != (t,):
-        raise ShapeError(f"req_of_token has shape {tuple(req_of_token.shape)}: expected ({t},)")
     split = max(1, min(split or pick_split(t * kvh, top_k, q.device), top_k))
     spec = decode_spec(h, kvh, d, block_size, top_k, _q_name(q.dtype), split, gpu=not interpreting(), **tiles)
-    _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, req_of_token.to(torch.int32), seq,
-                   table, out, scale)
+    _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, scale)
 
 
 def msa_sparse_attention_decode(
@@ -613,7 +601,6 @@ def msa_sparse_attention_decode(
     block_size: int,
     scale: float,
     split: int | None = None,
-    req_of_token: torch.Tensor | None = None,
     num_warps: int | None = None,
     block_n: int | None = None,
     num_stages: int = 3,
@@ -628,6 +615,6 @@ def msa_sparse_attention_decode(
         return out
     if block_n is not None and ((block_size % block_n and block_n < block_size) or block_n & (block_n - 1)):
         raise ShapeError(f"block_n={block_n} must be a power of two dividing block_size {block_size} (or above it)")
-    _decode(runner, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, block_size, scale,
-            req_of_token, split, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    _decode(runner, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, block_size, scale, split,
+            block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     return out

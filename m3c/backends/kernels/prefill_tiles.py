@@ -1,4 +1,5 @@
-"""Prefill tiles over a flattened batch of requests, shared by the MSA indexer and attention kernels.
+"""Prefill tiles over a flattened batch of requests, shared by the MSA indexer and attention kernels, and the
+request of a decode row (:func:`request_of_row`).
 
 A chunk's query rows are cut into tiles of ROWS consecutive rows of one request, numbered request by
 request (ceil(rows_r / ROWS) tiles each). The grid is fixed for a given (T, R) — :func:`prefill_tile_count`
@@ -41,3 +42,15 @@ def prefill_tile(pid, qsl_ptr, n_req, ROWS: tl.constexpr, RB: tl.constexpr):
         t_end = tl.maximum(t_end, tl.max(tl.where(hit, hi, 0)))
         base += tl.sum(nt)
     return r_hit, t_hit, t_end
+
+
+@triton.jit
+def request_of_row(t, qsl_ptr, n_req, RB: tl.constexpr):
+    """The request holding flattened row t (rows of request r: [qsl[r], qsl[r + 1])): how many requests end at or
+    before t, reading ``query_start_loc`` RB requests at a time (as ``searchsorted(qsl[1:], t, right=True)``)."""
+    r = t * 0
+    for r0 in range(0, n_req, RB):
+        rr = r0 + tl.arange(0, RB)
+        end = tl.load(qsl_ptr + rr + 1, mask=rr < n_req, other=2147483647)
+        r += tl.sum((end <= t).to(tl.int32))
+    return r

@@ -181,15 +181,26 @@ def test_skipped_entries(rng: torch.Generator) -> None:
     assert _rel(out, _reference(c)) <= (5e-6 if DEVICE == "cpu" else 1e-4)
 
 
-def test_shared_token_map_and_empty(rng: torch.Generator) -> None:
-    """A precomputed token->request map gives the same result; zero rows is a no-op."""
+def test_requests_without_rows_and_empty(rng: torch.Generator) -> None:
+    """Requests holding no rows (between, before and after others) do not shift the kernel's row -> request
+    lookup (it reads query_start_loc in-kernel, RB requests at a time: more requests than RB here); zero rows
+    is a no-op."""
     d, bs, hg, kvh, top_k, reqs = CASES["d32-b16-g3x2-k2"]
     c = _case(rng, d, bs, hg, kvh, top_k, [*reqs, (20, 1)])
     k = _kernel()
-    req = k.token_requests(c["query_start_loc"], c["q"].shape[0])
-    assert req.tolist() == [0, 0, 1]
-    out = k.msa_sparse_attention_decode(**c, split=2, req_of_token=req)
-    assert torch.equal(out, _run(c, 2))
+    want = _run(c, 2)
+    rows = torch.diff(c["query_start_loc"])
+    n = rows.numel()
+    pad = 70  # empty requests around every real one: 4 * 70 + n requests > RB = 64
+    new_rows = torch.zeros(n * (pad + 1) + pad, dtype=torch.int32)
+    new_rows[pad::pad + 1] = rows
+    keep = torch.zeros(new_rows.numel(), dtype=torch.bool)
+    keep[pad::pad + 1] = True
+    idx = (torch.cumsum(keep.long(), 0) - 1).clamp(min=0)
+    seq = torch.where(keep, c["seq_lens"][idx], 0).to(torch.int32)  # a row mapped to an empty request sees no key
+    c2 = {**c, "query_start_loc": torch.cat([torch.zeros(1, dtype=torch.int32), new_rows.cumsum(0).to(torch.int32)]),
+          "seq_lens": seq, "block_table": c["block_table"][idx].contiguous()}
+    assert torch.equal(k.msa_sparse_attention_decode(**c2, split=2), want)
     empty = {**c, "q": c["q"][:0], "selected": c["selected"][:0], "positions": c["positions"][:0]}
     assert k.msa_sparse_attention_decode(**empty).shape == (0, hg * kvh, d)
 
