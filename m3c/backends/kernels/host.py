@@ -1,11 +1,12 @@
 """Host-side facts and helpers every kernel launcher uses: whether Triton runs in its CPU interpreter, the SM
-count, and tensors derived from a weight once (not at every step)."""
+count, tensors derived from a weight once (not at every step), and persistent launch workspaces."""
 
 from __future__ import annotations
 
 import functools
 import os
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,3 +38,16 @@ def derived(source: torch.Tensor, tag: str, make: Callable[[], torch.Tensor]) ->
         hit = (source._version, make())
         cache[tag] = hit
     return hit[1]
+
+
+_T = TypeVar("_T")
+_PERSISTENT: dict[tuple, Any] = {}
+
+
+def persistent(key: tuple, make: Callable[[], _T]) -> _T:
+    """``make()`` once per `key` (name the launcher, the device and every size in it), then the same object:
+    workspaces that keep their addresses across calls, so launches captured in a CUDA graph stay valid, and
+    whose counters the kernels leave at zero. Launches sharing a key must run on one stream."""
+    if key not in _PERSISTENT:
+        _PERSISTENT[key] = make()
+    return _PERSISTENT[key]

@@ -80,8 +80,9 @@ import triton.language as tl
 
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, to_stored
-from m3c.backends.kernels.host import interpreting, num_sms
+from m3c.backends.kernels.host import interpreting, num_sms, persistent
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count, request_of_row
+from m3c.backends.kernels.split_merge import last_to_arrive
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
@@ -201,9 +202,7 @@ def msa_decode_kernel(
         tl.store(ws_ptr + part * (2 * BLOCK_H * D2) + BLOCK_H * D2 + hd, acc_hi)
         tl.store(ml_ptr + part * (2 * BLOCK_H) + h, m_i)
         tl.store(ml_ptr + part * (2 * BLOCK_H) + BLOCK_H + h, l_i)
-        tl.debug_barrier()  # every thread's stores are issued before the (one-thread) release below
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if done == SPLIT - 1:  # the last split of this (t, g) merges, in a fixed order
+        if last_to_arrive(cnt_ptr, tile, SPLIT):  # the last split of this (t, g) merges, in a fixed order
             first_part = (tile * SPLIT).to(tl.int64)
             m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
             for i in range(SPLIT):
@@ -448,22 +447,19 @@ def _check_layout(h: int, kvh: int, d: int, bs: int, top_k: int) -> None:
         raise ShapeError(f"top_k={top_k} must be >= 1")
 
 
-_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(
     device: torch.device, tiles: int, split: int, block_h: int, d: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Persistent partials (acc, m/l) and zeroed counters, reused across calls (CUDA-graph safe).
 
     With split == 1 (unused by the kernel) a tiny buffer of the right dtypes."""
-    key = (str(device), tiles, split, block_h, d) if split > 1 else (str(device),)
-    if key not in _WORKSPACE:
-        parts = tiles * split if split > 1 else 0
-        _WORKSPACE[key] = (torch.empty(max(parts * block_h * d, 4), dtype=torch.float32, device=device),
-                           torch.empty(max(parts * 2 * block_h, 4), dtype=torch.float32, device=device),
-                           torch.zeros(max(tiles if split > 1 else 0, 4), dtype=torch.int32, device=device))
-    return _WORKSPACE[key]
+    parts = tiles * split if split > 1 else 0
+    key = (tiles, split, block_h, d) if split > 1 else ()
+    return persistent(
+        ("msa_attention_decode", str(device), *key),
+        lambda: (torch.empty(max(parts * block_h * d, 4), dtype=torch.float32, device=device),
+                 torch.empty(max(parts * 2 * block_h, 4), dtype=torch.float32, device=device),
+                 torch.zeros(max(tiles if split > 1 else 0, 4), dtype=torch.int32, device=device)))
 
 
 def _checked(q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,

@@ -107,8 +107,9 @@ import triton.language as tl
 
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value, pow2, slices8
-from m3c.backends.kernels.host import interpreting, num_sms
+from m3c.backends.kernels.host import interpreting, num_sms, persistent
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
+from m3c.backends.kernels.split_merge import last_to_arrive
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
@@ -533,9 +534,7 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cnt_ptr, MB, G: t
     if n_sl > 1:  # every slice's candidates to the workspace; the last slice to finish merges them
         cbase = cand_ptr + pid.to(tl.int64) * (NSMAX * KO)
         tl.store(cbase + sl * KO + slot, top)
-        tl.debug_barrier()  # every thread's stores are issued before the (one-thread) release below
-        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        last = done == n_sl - 1
+        last = last_to_arrive(cnt_ptr, pid, n_sl)
         if last:
             c = tl.arange(0, NSMAX * KO)
             got = tl.load(cbase + c, mask=(c // KO < n_sl) & (c % KO < K - 1), other=NONE, cache_modifier=".cg")
@@ -626,20 +625,14 @@ def topk_plan(rows: int, max_blocks: int, num_sms: int) -> tuple[int, int]:
     return TOPK_CH[0], min(TOPK_SLICES, triton.cdiv(max_blocks, TOPK_CH[0]))
 
 
-_TOPK_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _topk_workspace(device: torch.device, rows: int, ko: int, split: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Persistent candidate keys [rows, TOPK_SLICES, ko] and zeroed counters [rows] of split top-k launches
-    (reused across calls: CUDA-graph safe; the kernel leaves the counters at zero); unsplit launches get a
-    tiny unused pair. Split launches have fewer rows than SMs, so these stay small. Launches of one shape
-    share them: run them on one stream (as every launch of a step is)."""
-    key = (str(device), rows, ko) if split else (str(device),)
-    if key not in _TOPK_WS:
-        n = rows if split else 1
-        _TOPK_WS[key] = (torch.empty(n * TOPK_SLICES * ko, dtype=torch.int64, device=device),
-                         torch.zeros(n, dtype=torch.int32, device=device))
-    return _TOPK_WS[key]
+    (:func:`~m3c.backends.kernels.host.persistent`); unsplit launches get a tiny unused pair. Split launches
+    have fewer rows than SMs, so these stay small."""
+    n = rows if split else 1
+    return persistent(("msa_topk", str(device), n, ko),
+                      lambda: (torch.empty(n * TOPK_SLICES * ko, dtype=torch.int64, device=device),
+                               torch.zeros(n, dtype=torch.int32, device=device)))
 
 
 def _prefill_rows(g: int, prefill_m: int) -> int:

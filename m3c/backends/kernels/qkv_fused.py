@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from m3c.backends.kernels.split_merge import last_to_arrive
+
 
 @triton.jit
 def _e4m3_rne(v):
@@ -227,8 +229,7 @@ def qkv_norm_rope_kvinsert_splitk_kernel(
     c = tl.arange(0, HEAD_DIM)
     tile_off = r[:, None] * HEAD_DIM + c[None, :]
     tl.store(ws_ptr + (sp * n_tiles + tile).to(tl.int64) * (BLOCK_M * HEAD_DIM) + tile_off, acc)
-    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-    if done == SPLIT - 1:
+    if last_to_arrive(cnt_ptr, tile, SPLIT):
         total = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         for i in range(SPLIT):  # fixed order: the result does not depend on which slice finished last
             total += tl.load(ws_ptr + (i * n_tiles + tile).to(tl.int64) * (BLOCK_M * HEAD_DIM) + tile_off,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import triton
 
-from m3c.backends.kernels.host import interpreting
+from m3c.backends.kernels.host import interpreting, persistent
 from m3c.backends.kernels.qkv_fused import (
     norm_rope_kvinsert_kernel,
     qkv_gemm_kernel,
@@ -102,16 +102,11 @@ def pick_tiles(num_tokens: int) -> Tiles:
     return PHASES[tile_phase(num_tokens)][1]
 
 
-_WORKSPACE: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _workspace(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A persistent float32 partial-sum buffer and zeroed int32 counters (reused, so CUDA-graph safe)."""
-    key = (str(device), floats, tiles)
-    if key not in _WORKSPACE:
-        _WORKSPACE[key] = (torch.empty(floats, dtype=torch.float32, device=device),
-                           torch.zeros(tiles, dtype=torch.int32, device=device))
-    return _WORKSPACE[key]
+    return persistent(("qkv_fused", str(device), floats, tiles),
+                      lambda: (torch.empty(floats, dtype=torch.float32, device=device),
+                               torch.zeros(tiles, dtype=torch.int32, device=device)))
 
 
 def make_outputs(x: torch.Tensor, shape: QKVShape,
