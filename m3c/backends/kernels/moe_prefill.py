@@ -80,6 +80,7 @@ from m3c.backends.kernels.fp_codes import (
 )
 from m3c.backends.kernels.host import derived, interpreting
 from m3c.backends.kernels.moe_gemv_wide import fc1_wide, fc2_wide
+from m3c.backends.kernels.moe_routing import expert_permutation
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -786,14 +787,6 @@ def _layout(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if why:
         raise ShapeError(f"moe_prefill cannot take this layout: {why}")
     return lay
-
-
-def expert_permutation(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order int32 [T·k]: the (token, slot) pairs p = t·k + j sorted stably by expert; offsets int32 [E + 1]:
-    where each expert's pairs begin in ``order``), by torch on the device (a sort and a search, no sync)."""
-    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
-    offs = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=topk_ids.device), out_int32=True)
-    return order.to(torch.int32), offs
 
 
 def moe_prefill(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Any, w2: Any,

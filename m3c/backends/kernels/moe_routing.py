@@ -95,28 +95,34 @@ def moe_route(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: t
     return route(x.to(w.dtype), w, bias, top_k, norm_topk_prob, routed_scaling_factor)
 
 
+def expert_permutation(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order int32 [T·k]: the (token, slot) pairs p = t·k + j sorted stably by expert; offsets int32 [E + 1]:
+    where each expert's pairs begin in ``order``), by torch on the device (a sort and a search, no sync)."""
+    sorted_ids, order = torch.sort(topk_ids.reshape(-1).to(torch.int64), stable=True)
+    offs = torch.searchsorted(sorted_ids, torch.arange(num_experts + 1, device=topk_ids.device), out_int32=True)
+    return order.to(torch.int32), offs
+
+
 def expert_segments(topk_ids: torch.Tensor, num_experts: int) -> ExpertSegments:
     """Expert-sorted pairs and the compact list of touched experts for ``topk_ids [T, k]`` (no host sync)."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ShapeError(f"topk_ids {tuple(topk_ids.shape)} {topk_ids.dtype}: expected int32/int64 [T, k]")
     dev = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    a = min(num_experts, flat.numel())
-    _, order = torch.sort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    a = min(num_experts, topk_ids.numel())
+    order, offsets = expert_permutation(topk_ids, num_experts)
+    counts = offsets[1:] - offsets[:-1]
+    starts = offsets[:-1]
     ar = torch.arange(num_experts, device=dev)
     active = counts > 0
     _, perm = torch.sort(torch.where(active, ar, ar + num_experts))  # touched experts first, ascending
     slot_expert = perm[:a]
     return ExpertSegments(
-        sorted_pairs=order.to(torch.int32),
+        sorted_pairs=order,
         slot_expert=slot_expert.to(torch.int32),
         slot_start=starts[slot_expert],
         slot_count=counts[slot_expert],
         num_active=active.sum(dtype=torch.int32).reshape(1),
-        offsets=torch.cat([starts, counts.sum(dtype=torch.int32).reshape(1)]),
+        offsets=offsets,
     )
 
 

@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from m3c.backends.kernels.moe_prefill import expert_permutation
-from m3c.backends.kernels.moe_routing import expert_segments, fused_route, moe_route
+from m3c.backends.kernels.moe_routing import expert_permutation, expert_segments, fused_route, moe_route
 from m3c.errors import ShapeError
 from m3c.fused.moe import random_moe
 
@@ -79,7 +78,7 @@ def test_expert_segments(t: int, k: int, e: int, rng: torch.Generator) -> None:
             assert cnt == 0 and int(seg.slot_expert[i]) not in touched
     want_offs = [sum(x < ex for x in flat) for ex in range(e + 1)]
     assert seg.offsets.tolist() == want_offs  # every expert's first sorted pair (untouched ones too), then T·k
-    order, offs = expert_permutation(ids, e)  # the grouped GEMMs' own permutation agrees
+    order, offs = expert_permutation(ids, e)  # what moe_prefill uses when no permutation is passed
     assert torch.equal(order, seg.sorted_pairs) and torch.equal(offs, seg.offsets)
     for name in ("sorted_pairs", "slot_expert", "slot_start", "slot_count", "num_active", "offsets"):
         assert getattr(seg, name).dtype == torch.int32, name
