@@ -56,7 +56,8 @@ def _wide_x(x_row, rows, k0, W: tl.constexpr):
         base = xw + (k0 // 2 + 4 * tl.arange(0, W))[None, :] + 0 * rows[:, None]
         for j in tl.static_range(4):
             v = tl.load(base + j)
-            out = out + ((v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True))  # noqa: RUF005
+            lo, hi = (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+            out = out + (lo, hi)  # noqa: RUF005 (Triton's compiler has no starred tuples)
     else:  # float32 activations: one load per column
         base = x_row + (k0 + 8 * tl.arange(0, W))[None, :] + 0 * rows[:, None]
         for k in tl.static_range(8):

@@ -35,8 +35,8 @@ Common device design.
 
 Decode kernel (``msa_decode_kernel``): one program per (query row t, KV group g, split sp), split
 fastest, the heads padded to BLOCK_H >= 16 rows; each finds its request from ``query_start_loc`` itself
-(:func:`~m3c.backends.kernels.prefill_tiles.request_of_row`: no token -> request launches per layer). Flash-decoding: the top-k selection is dealt strided
-over SPLIT programs (entry i goes to split i % SPLIT, so ``-1`` padding spreads evenly); each runs an
+(:func:`~m3c.backends.kernels.prefill_tiles.request_of_row`: no token -> request launches per layer).
+Flash-decoding: the top-k selection is dealt strided over SPLIT programs (entry i goes to split i % SPLIT, so ``-1`` padding spreads evenly); each runs an
 online softmax over its blocks and writes (m, l, unnormalized acc) into a float32 workspace; the last
 split to finish (an atomic counter, reset to 0 again, so CUDA-graph replays work) merges all partials
 exactly in a fixed order (rescale by exp(m_i - m)). SPLIT == 1 writes the output directly. SPLIT is

@@ -120,8 +120,8 @@ DEFAULT_DEQ = "fma"
 tokens, batch 1: 66 µs vs 107 "groupdot", 128 "f32scale", 89 "fp8"; 32K: 12.1 vs 13.3 µs; selections
 equal the reference's; benchmarks/RESULTS.md). Those numbers are for 1-row tiles (54 registers), which
 plain decode (no more rows than requests) gets whatever ``max_q_rows`` says (:func:`decode_rows`); more
-rows get FMA_ROWS = 2-row tiles (96 registers; 1M, one row: 89.5 µs). "fp8" is lossy (its query rounding changed 87.5% of the selected
-blocks at 32K), so it is never a default."""
+rows get FMA_ROWS = 2-row tiles (96 registers; 1M, one row: 89.5 µs). "fp8" is lossy (its query rounding
+changed 87.5% of the selected blocks at 32K), so it is never a default."""
 
 FMA_KEYS = 64
 """Keys per step of the "fma" path (a power of two; below the block size a block takes several steps)."""
