@@ -22,15 +22,18 @@ ceil(rows_r / ROWS)); each program finds its (request, first row) by a prefix su
 ``query_start_loc`` in registers, spare ones write nothing. Rows are causal one by one (own positions;
 blocks past the tile's last position get -inf without touching keys). Per step a program loads NBT
 whole blocks (>= 64 keys; "fma": FMA_KEYS keys) through the block table (packed E2M1 bytes + E4M3 scale
-bytes) and dequantizes in registers, exactly, even columns (low nibbles) and odd columns (high nibbles)
+bytes; the MMA paths load a step's keys one step ahead and its table entries two ahead, in registers — Triton's
+own pipelining waited for each step's loads right before using them — and skip the causal mask on steps
+every row sees whole) and dequantizes in registers, exactly, even columns (low nibbles) and odd columns (high nibbles)
 apart so no nibble interleave is needed. Decode dequant paths (the DEQ constexpr, ``deq=``; prefill
 always uses "f32scale"):
 
 - "f32scale": a nibble's bits placed into a float32 (3 integer ops; E2M1 e = 0 lands on
   subnormals, so every code reads as value × 2^-126), times its scale decoded as scale × 2^119 (one
   multiply per key value, the [KEYS, D/16] scales broadcast over their 16 values), converted to bf16
-  (exact: <= 6 significant bits) for two [M, KEYS] dots (q_even·k_lo + q_odd·k_hi), M = max(16,
-  ROWS·G); the keys' 2^-7 is undone on the scores (a power of two). ~6–7 instructions per key value.
+  (exact: <= 6 significant bits), the two nibbles of each byte joined back into element order for one
+  [M, KEYS] dot, M = max(16, ROWS·G); the keys' 2^-7 is undone on the block maxima (a power of two).
+  ~5 instructions per key value.
 - "groupdot" (the default until "fma" measured faster): keys stay UNSCALED (E2M1 values, exact in bf16) and are the MMA's M dim (KEYS = 128:
   wgmma, A from registers); q is laid out block-diagonally, [D/2, (D/16)·M] (column h·M + m holds row
   m's q on group h's rows; M = max(ROWS·G, 16·16/D, 2)), so one dot pair yields every NVFP4 group's
@@ -178,13 +181,6 @@ def _e4m3_pow2(byte, BIAS: tl.constexpr):
 
 
 @triton.jit
-def _dequant_half(b, scale, SHIFT: tl.constexpr, KEYS: tl.constexpr, D: tl.constexpr):
-    """Key values × 2^-7 (exact) of the nibbles at SHIFT of bytes b [KEYS, D/2]; scale [KEYS, D/16] × 2^119."""
-    v = tl.reshape(e2m1_tiny(b, SHIFT), [KEYS, D // 16, 8])
-    return tl.reshape(v * scale[:, :, None], [KEYS, D // 2])
-
-
-@triton.jit
 def _round_e4m3(x):
     """float32 x (|x| < 448) rounded to the nearest E4M3 value (ties to even), as float32, exactly.
 
@@ -217,13 +213,16 @@ def _nan_max(a, b):
 
 
 @triton.jit
+def _pool_max(acc, M: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr):
+    """[M, NB*BL] scores -> [M, NB] maxima over runs of BL keys, NaN if any is NaN (as torch.amax): one
+    max.NaN per score."""
+    return tl.reduce(tl.reshape(acc, [M, NB, BL]), 2, _nan_max)
+
+
+@triton.jit
 def _block_max(acc, vis, M: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr):
     """[M, NB*BL] scores -> [M, NB] maxima over runs of BL keys: invisible keys -inf, NaN if a visible one is NaN."""
-    s = tl.where(vis, acc, float("-inf"))
-    is_nan = s != s
-    best = tl.max(tl.reshape(tl.where(is_nan, float("-inf"), s), [M, NB, BL]), axis=2)
-    any_nan = tl.max(tl.reshape(is_nan.to(tl.int32), [M, NB, BL]), axis=2)
-    return tl.where(any_nan > 0, float("nan"), best)
+    return _pool_max(tl.where(vis, acc, float("-inf")), M, NB, BL)
 
 
 @triton.jit
@@ -313,6 +312,22 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
 
 
 @triton.jit
+def _step_phys(bt_row, s, jb, vis_hi):
+    """Physical block of each key row of the step starting at request-relative block s (0 past vis_hi)."""
+    blk = s + jb
+    return tl.load(bt_row + blk, mask=blk < vis_hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def _step_keys(kd_ptr, ks_ptr, phys, ok, j, hc, sc_cols, D: tl.constexpr, BS: tl.constexpr):
+    """A step's packed codes [KEYS, D/2] and scale bytes [KEYS, D/16] (rows not ok: zeros, not loaded)."""
+    slot = phys * BS + j % BS
+    codes = tl.load(kd_ptr + slot[:, None] * (D // 2) + hc[None, :], mask=ok[:, None], other=0)
+    sbyte = tl.load(ks_ptr + slot[:, None] * (D // 16) + sc_cols[None, :], mask=ok[:, None], other=0)
+    return codes, sbyte
+
+
+@triton.jit
 def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok, mg, qpos, row_ok, c_lo, vis_hi,
               G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, M: tl.constexpr,
               DEQ: tl.constexpr, UPCAST: tl.constexpr):
@@ -327,9 +342,11 @@ def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok,
     jb = j // BS
     nb = tl.arange(0, NBT)
     q_off = tok * stride_qt + mg * stride_qg
+    q_full = tl.load(q_ptr + q_off[:, None] + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
     q_even = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :], mask=row_ok[:, None], other=0.0)
     q_odd = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :] + 1, mask=row_ok[:, None], other=0.0)
     if UPCAST:  # Triton's CPU interpreter mis-multiplies bf16 dots; f32 gives the same exact products
+        q_full = q_full.to(tl.float32)
         q_even = q_even.to(tl.float32)
         q_odd = q_odd.to(tl.float32)
     if DEQ == 2:  # FP8 q: a power-of-two scale per (row, head) puts the row max in [128, 256)
@@ -345,30 +362,29 @@ def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok,
     if DEQ == 2 and not UPCAST:
         q_even = q_even.to(tl.float8e4nv)  # exact: already on the E4M3 grid
         q_odd = q_odd.to(tl.float8e4nv)
-    for b0 in range(c_lo, vis_hi, NBT):
+    undo = 128.0  # DEQ 0: the keys' 2^-7, undone on the block maxima (a positive power of two commutes with max)
+    if DEQ != 0:
+        undo = 1.0
+    min_pos = tl.min(tl.where(row_ok, qpos, 2147483647))  # a step whose keys all lie at or before it needs no mask
+    # Prefetch: a step's codes and scales are loaded one step ahead, its block-table entries two steps ahead,
+    # so their latency hides behind the previous step's dequant and MMA (loads past vis_hi are masked off).
+    phys_n = _step_phys(bt_row, c_lo + NBT, jb, vis_hi)
+    codes, sbyte = _step_keys(kd_ptr, ks_ptr, _step_phys(bt_row, c_lo, jb, vis_hi), c_lo + jb < vis_hi, j, hc,
+                              sc_cols, D, BS)
+    for b0 in tl.range(c_lo, vis_hi, NBT, num_stages=1):
         blk = b0 + jb  # request-relative block of each key row
         ok = blk < vis_hi
-        if NBT == 1:  # one whole block: scalar base address, unmasked loads
-            phys = tl.load(bt_row + b0).to(tl.int64)
-            codes = tl.load(kd_ptr + phys * (BS * HD) + (j[:, None] * HD + hc[None, :]))
-            sbyte = tl.load(ks_ptr + phys * (BS * D // 16) + (j[:, None] * (D // 16) + sc_cols[None, :]))
-        else:
-            phys = tl.load(bt_row + blk, mask=ok, other=0).to(tl.int64)
-            slot = phys * BS + j % BS
-            codes = tl.load(kd_ptr + slot[:, None] * HD + hc[None, :], mask=ok[:, None], other=0)
-            sbyte = tl.load(ks_ptr + slot[:, None] * (D // 16) + sc_cols[None, :], mask=ok[:, None], other=0)
-        if DEQ == 0:  # scale every key value in float32, then two [M, KEYS] dots
+        codes_n, sbyte_n = _step_keys(kd_ptr, ks_ptr, phys_n, blk + NBT < vis_hi, j, hc, sc_cols, D, BS)
+        phys_n = _step_phys(bt_row, b0 + 2 * NBT, jb, vis_hi)
+        if DEQ == 0:  # scale every key value in float32 (× 2^-7), keys in element order, one [M, KEYS] dot
             codes = codes.to(tl.int32)
             scale = e4m3_big(sbyte.to(tl.int32))
-            k_lo = _dequant_half(codes, scale, 0, KEYS, D)
-            k_hi = _dequant_half(codes, scale, 4, KEYS, D)
-            if q_even.dtype == tl.float32:
-                acc = tl.dot(q_even, tl.trans(k_lo), input_precision="ieee")
-                acc = tl.dot(q_odd, tl.trans(k_hi), acc, input_precision="ieee")
+            k = tl.reshape(tl.join(e2m1_tiny(codes, 0), e2m1_tiny(codes, 4)), [KEYS, D // 16, 16])  # 2i, 2i + 1
+            k = tl.reshape(k * scale[:, :, None], [KEYS, D])
+            if q_full.dtype == tl.float32:
+                acc = tl.dot(q_full, tl.trans(k), input_precision="ieee")
             else:  # e2m1 × e4m3 has <= 6 significant bits: exact in bf16 / fp16
-                acc = tl.dot(q_even, tl.trans(k_lo.to(q_even.dtype)))
-                acc = tl.dot(q_odd, tl.trans(k_hi.to(q_odd.dtype)), acc)
-            acc = acc * 128.0  # undo the keys' 2^-7 (a power of two: the sums round as unscaled ones)
+                acc = tl.dot(q_full, tl.trans(k.to(q_full.dtype)))
         else:  # unscaled keys as the MMA M dim; the group scales multiply the [KEYS, NG*M] partials
             if DEQ == 1:
                 scale = _e4m3_pow2(sbyte.to(tl.int32), 0)
@@ -400,12 +416,19 @@ def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok,
                 part = tl.dot(k_hi, q_odd, part)
             part = tl.reshape(part, [KEYS, NG, M]) * scale[:, :, None]
             acc = tl.trans(tl.sum(part, axis=1))
-            if DEQ == 2:
-                acc = acc * q_down[:, None]
-        key_pos = blk * BS + j % BS
-        best = _block_max(acc, (key_pos[None, :] <= qpos[:, None]) & ok[None, :], M, NBT, BS)
+        if (b0 * BS + KEYS - 1 <= min_pos) & (b0 + NBT <= vis_hi):  # every key visible to every row
+            best = _pool_max(acc, M, NBT, BS)
+        else:
+            key_pos = blk * BS + j % BS
+            best = _block_max(acc, (key_pos[None, :] <= qpos[:, None]) & ok[None, :], M, NBT, BS)
+        if DEQ == 2:
+            best = best * q_down[:, None]
+        else:
+            best = best * undo
         cols = b0 + nb
         tl.store(out_row[:, None] + cols[None, :], best, mask=row_ok[:, None] & (cols < vis_hi)[None, :])
+        codes = codes_n
+        sbyte = sbyte_n
 
 
 @triton.jit
