@@ -3,8 +3,8 @@
 m3.1-small layout: 1 index head, D = 128, block 128, top-16, NVFP4 index keys, bf16 index q.
 Decode: contexts 32K / 128K / 512K / 1M tokens × batch 1 and 8, 1 query row per request, each
 ``deq`` path of :func:`m3c.backends.kernels.msa_indexer.msa_indexer` (``DEQ_MODES``: "f32scale",
-"groupdot", "fp8", "fma"; ``--fma-keys`` / ``--fma-warps`` / ``--fma-rows`` / ``--fma-stages`` override the "fma"
-path's FMA_KEYS / FMA_WARPS / FMA_ROWS / FMA_STAGES for tuning, recorded in its rows).
+"groupdot", "fp8", "fma", "int8"; ``--fma-keys`` / ``--fma-warps`` / ``--fma-rows`` / ``--fma-stages`` override the
+"fma" and "int8" paths' FMA_KEYS / FMA_WARPS / FMA_ROWS / FMA_STAGES for tuning, recorded in their rows).
 Prefill: a 4K-row chunk (the last 4,096 positions) at 128K and 1M tokens (always the "f32scale" tile).
 Each point reports the CUDA-graph replay time (µs, median), the floor (decode: 72 B/token of index keys
 at 4.28 TB/s; prefill: 2·T·ctx·D FLOPs at 750 TFLOP/s bf16) and its % of the floor, dense SDPA over a
@@ -104,7 +104,7 @@ def run_decode(ctx: int, batch: int, max_q_rows: int, modes: tuple[str, ...] = D
         ms = bench_graph(fn)
         topk_ms = time_topk(scores, pos, sel)
         tune = ({"fma_keys": mi.FMA_KEYS, "fma_warps": mi.FMA_WARPS, "fma_rows": mi.FMA_ROWS,
-                 "fma_stages": mi.FMA_STAGES} if deq == "fma" else {})
+                 "fma_stages": mi.FMA_STAGES} if deq in ("fma", "int8") else {})
         row = {"phase": "decode", "context": ctx, "batch": batch, "deq": deq, "max_q_rows": max_q_rows, **tune,
                "us": ms * 1e3, "topk_us": topk_ms * 1e3,
                "floor_us": floor_ms * 1e3, "pct_of_floor": 100 * floor_ms / ms, "sdpa_dense_us": sdpa * 1e3,

@@ -65,6 +65,13 @@ always uses "f32scale"):
   accumulations. Per key value: 2.875 integer ops + 1 FMA per pair + ~1.4 of per-group and per-key work
   (scales, group sum, pooling, addresses): ~5.3 SASS instructions at one pair (sm_90, D = 128, 64 keys,
   4 warps, 54 registers), ~1.5 more per further pair (registers: FMA_ROWS).
+- "int8": the "fma" tile (loop, loads, pooling) with integer math (:mod:`msa_indexer_int8`): q split
+  exactly into three int8 parts per (row, head) (2^-20 of its row max is the only loss), the nibbles looked
+  up as signed 2·E2M1 bytes by ``prmt`` and dotted four at a time by ``dp4a`` (int32, exact), one float
+  conversion and scale per 16 values; ±inf / NaN q elements add their float products in a branch only
+  such rows take. Offline sm_90a: 4.7 SASS instructions per key value against "fma"'s 5.6 — and no
+  faster on the H200 (1M tokens: batch 1 56.1 vs 52.7 µs, batch 8 293.9 vs 287.3; 274.8 with 128-key
+  steps), so "fma" stays the default: at batch 8 neither path is bound by its instruction count.
 The inline PTX runs only on a GPU: the interpreter checks each path's algebra with the same values in
 float32, and the tests check the bit formulas of the PTX on every byte in torch.
 
@@ -111,12 +118,13 @@ import triton.language as tl
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value, pow2, slices8
 from m3c.backends.kernels.host import interpreting, num_sms, persistent
+from m3c.backends.kernels.msa_indexer_int8 import group_sums, nonfinite_part, q_int8_words
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.kernels.split_merge import last_to_arrive
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
-DEQ_MODES = ("f32scale", "groupdot", "fp8", "fma")
+DEQ_MODES = ("f32scale", "groupdot", "fp8", "fma", "int8")
 """Decode dequant paths (the ``DEQ`` constexpr is the index): see the module docstring."""
 DEFAULT_DEQ = "fma"
 """The decode dequant path by default: exact like "f32scale" / "groupdot" and the fastest on the H200 (1M
@@ -127,16 +135,16 @@ rows get FMA_ROWS = 2-row tiles (96 registers; 1M, one row: 89.5 µs). "fp8" is 
 changed 87.5% of the selected blocks at 32K), so it is never a default."""
 
 FMA_KEYS = 64
-"""Keys per step of the "fma" path (a power of two; below the block size a block takes several steps)."""
+"""Keys per step of the "fma" and "int8" paths (a power of two; below the block size a block takes several steps)."""
 FMA_WARPS = 4
-"""Warps of the "fma" path's programs."""
+"""Warps of the "fma" and "int8" paths' programs."""
 FMA_STAGES = 3
-"""Software-pipeline stages of the "fma" path's block loop (``tl.range(num_stages=...)``; 1: none, the key
+"""Software-pipeline stages of the "fma" and "int8" paths' block loop (``tl.range(num_stages=...)``; 1: none, the key
 loads are issued in the step that uses them; > 1: Triton moves them through shared memory with cp.async,
 FMA_STAGES - 1 steps ahead). H200, 1M tokens, batch 1, scores + top-k: 1-row tiles 66.4 µs at 1 stage,
 66.4 at 2, 62.1 at 3; 2-row tiles 89.5 at 1, 80.2 at 2 (benchmarks/RESULTS.md, session 10)."""
 FMA_ROWS = 2
-"""Query rows per tile of the "fma" path (at most; more rows loop over tiles, keys re-read per tile). The
+"""Query rows per tile of the "fma" and "int8" paths (at most; more rows loop over tiles, keys re-read per tile). The
 tile's rows × G (row, head) pairs share each decoded key step but hold their q in registers, and a kernel
 holds the registers of its largest tile (sm_90, D = 128, G = 1: 54 at 1 row, 96 at 2, 168 at 4, 255 at 8)."""
 
@@ -226,11 +234,33 @@ def _block_max(acc, vis, M: tl.constexpr, NB: tl.constexpr, BL: tl.constexpr):
 
 
 @triton.jit
+def _fma_pair(q_row, q_off, pos, valid, out_row):
+    """One (row, head) pair of the "fma" path: (q' = q · 2^S as 16 [1, NG] slices (element e of every group),
+    2^(126 - S) as two factors, position, validity, score row)."""
+    q_a = tl.load(q_row + q_off).to(tl.float32)  # elements 0..7 of each group
+    q_b = tl.load(q_row + q_off + 8).to(tl.float32)  # elements 8..15
+    amax = tl.maximum(tl.max(tl.abs(q_a)), tl.max(tl.abs(q_b)))
+    # Biased exponent ef of max|q| (clamped: 1 for zero / subnormal rows, 254 for inf / NaN). S = 246 - ef
+    # puts max|q · 2^S| in [2^119, 2^120), so a nonzero key nibble (>= 2^-127 as decoded) times q' is normal
+    # for every |q| >= 2^-117 max|q|. Bounds: |nibble · q'| < 6 · 2^-126 · 2^120 = 6 · 2^-6, a group's 16
+    # products < 1.5, times |scale| <= 448: < 672, summed over D/16 groups: < 42 · D (no overflow).
+    ef = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, 1), 254)
+    sh = 246 - ef  # S in [-8, 245]: q · 2^S = q · 2^s1 · 2^(S - s1), exact (q' normal or zero)
+    s1 = tl.minimum(sh, 127)
+    up1 = pow2(s1)
+    up2 = pow2(sh - s1)
+    dn = tl.minimum(ef - 120, 127)  # 2^(126 - S) = 2^(ef - 120) = 2^dn · 2^(ef - 120 - dn), dn >= -119
+    return (slices8((q_a * up1 * up2)[None, :, :]) + slices8((q_b * up1 * up2)[None, :, :]), pow2(dn),
+            pow2(ef - 120 - dn), pos, valid, out_row)
+
+
+@triton.jit
 def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
               G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr, FS: tl.constexpr,
-              R: tl.constexpr):
-    """The "fma" decode path: block-max scores of R = rows × G (row, head) pairs, one by one, over blocks
-    [c_lo, vis_hi); steps of FK keys (NBT whole blocks, or a part of one) decoded once for all pairs.
+              R: tl.constexpr, I8: tl.constexpr, UPCAST: tl.constexpr):
+    """The "fma" (I8 False) and "int8" (I8) decode paths: block-max scores of R = rows × G (row, head) pairs, one
+    by one, over blocks [c_lo, vis_hi); steps of FK keys (NBT whole blocks, or a part of one) decoded once for all
+    pairs. UPCAST: "int8" without its PTX (Triton's interpreter).
 
     Pair i = (token t0 + i // G, head i % G); pairs past t_hi compute on token t0 and store nothing.
     """
@@ -250,23 +280,13 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
         valid = t0 + i // G < t_hi
         tok = tl.where(valid, t0 + i // G, t0).to(tl.int64)
         q_row = q_ptr + tok * stride_qt + (i % G) * stride_qg
-        q_a = tl.load(q_row + q_off).to(tl.float32)  # elements 0..7 of each group
-        q_b = tl.load(q_row + q_off + 8).to(tl.float32)  # elements 8..15
-        amax = tl.maximum(tl.max(tl.abs(q_a)), tl.max(tl.abs(q_b)))
-        # Biased exponent ef of max|q| (clamped: 1 for zero / subnormal rows, 254 for inf / NaN). S = 246 - ef
-        # puts max|q · 2^S| in [2^119, 2^120), so a nonzero key nibble (>= 2^-127 as decoded) times q' is normal
-        # for every |q| >= 2^-117 max|q|. Bounds: |nibble · q'| < 6 · 2^-126 · 2^120 = 6 · 2^-6, a group's 16
-        # products < 1.5, times |scale| <= 448: < 672, summed over D/16 groups: < 42 · D (no overflow).
-        ef = tl.minimum(tl.maximum(amax.to(tl.int32, bitcast=True) >> 23, 1), 254)
-        sh = 246 - ef  # S in [-8, 245]: q · 2^S = q · 2^s1 · 2^(S - s1), exact (q' normal or zero)
-        s1 = tl.minimum(sh, 127)
-        up1 = pow2(s1)
-        up2 = pow2(sh - s1)
-        dn = tl.minimum(ef - 120, 127)  # 2^(126 - S) = 2^(ef - 120) = 2^dn · 2^(ef - 120 - dn), dn >= -119
-        pair = (slices8((q_a * up1 * up2)[None, :, :]) + slices8((q_b * up1 * up2)[None, :, :]), pow2(dn),
-                pow2(ef - 120 - dn), tl.where(valid, tl.load(pos_ptr + tok).to(tl.int32), -1), valid,
-                out_ptr + (tok * G + i % G) * MB)
-        pairs = pairs + (pair,)  # noqa: RUF005 (Triton's compiler has no starred tuples)
+        pos = tl.where(valid, tl.load(pos_ptr + tok).to(tl.int32), -1)
+        if I8:  # "int8": q split into int8 parts (msa_indexer_int8)
+            qw, d1, d2, bad = q_int8_words(tl.load(q_row + g[:, None] * 16 + tl.arange(0, 16)[None, :]).to(tl.float32),
+                                           NG)
+            pairs = pairs + ((qw, d1, d2, pos, valid, out_ptr + (tok * G + i % G) * MB, bad, q_row),)  # noqa: RUF005
+        else:
+            pairs = pairs + (_fma_pair(q_row, q_off, pos, valid, out_ptr + (tok * G + i % G) * MB),)  # noqa: RUF005
     for b0 in tl.range(c_lo, vis_hi, NBT, num_stages=FS):  # FS > 1: Triton pipelines the key loads (cp.async)
         bests = ()  # per pair: [FK] scores (masked: -inf), maxima over the block's steps so far
         for u in tl.static_range(SUB):
@@ -282,22 +302,29 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
                 words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off, mask=ok[:, None, None], other=0)
                 sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :], mask=ok[:, None], other=0)
             # word h of a group holds its elements 8h..8h+7, element 8h + k in nibble k (byte k // 2, low
-            # nibble first): decoded once for all pairs, value × 2^-126, as 16 [FK, NG] slices
+            # nibble first)
             w0, w1 = tl.split(words)
-            vals = ()
-            for k in tl.static_range(8):
-                vals = vals + (e2m1_nibble_tiny(w0, k),)  # noqa: RUF005 (Triton's compiler has no starred tuples)
-            for k in tl.static_range(8):
-                vals = vals + (e2m1_nibble_tiny(w1, k),)  # noqa: RUF005
             scale = e4m3_value(sbyte.to(tl.int32))  # the plain value (<= 448): see the bounds above
             key_pos = blk * BS + kpos
+            if not I8:  # decoded once for all pairs, value × 2^-126, as 16 [FK, NG] slices
+                vals = ()
+                for k in tl.static_range(8):
+                    vals = vals + (e2m1_nibble_tiny(w0, k),)  # noqa: RUF005 (Triton's compiler has no starred tuples)
+                for k in tl.static_range(8):
+                    vals = vals + (e2m1_nibble_tiny(w1, k),)  # noqa: RUF005
             step = ()
             for i in tl.static_range(R):
-                qs, d1, d2, pos, _, _ = pairs[i]
-                part = vals[0] * qs[0]
-                for k in tl.static_range(1, 16):  # one FMA per key value
-                    part = tl.fma(vals[k], qs[k], part)
-                acc = tl.sum(part * scale, axis=1) * d1 * d2
+                if I8:
+                    qw, d1, d2, pos, _, _, bad, q_row = pairs[i]
+                    acc = tl.sum(group_sums(w0, w1, qw, UPCAST).to(tl.float32) * scale, axis=1) * d1 * d2
+                    if bad:  # ±inf / NaN elements of q: their float products, as the reference's
+                        acc += nonfinite_part(q_row, w0, w1, scale, g, NG)
+                else:
+                    qs, d1, d2, pos, _, _ = pairs[i]
+                    part = vals[0] * qs[0]
+                    for k in tl.static_range(1, 16):  # one FMA per key value
+                        part = tl.fma(vals[k], qs[k], part)
+                    acc = tl.sum(part * scale, axis=1) * d1 * d2
                 acc = tl.where((key_pos <= pos) & ok, acc, float("-inf"))
                 if u > 0:  # later parts of the same block: key by key, one pooling per block
                     acc = _nan_max(bests[i], acc)
@@ -305,7 +332,8 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
             bests = step
         cols = b0 + nb
         for i in tl.static_range(R):
-            _, _, _, _, valid, out_row = pairs[i]
+            valid = pairs[i][4]
+            out_row = pairs[i][5]
             best = tl.reshape(_block_max(bests[i][None, :], True, 1, NBT, BL), [NBT])
             lim = tl.where(valid, vis_hi, 0)  # (a scalar bool in a store mask trips the interpreter)
             tl.store(out_row + cols, best, mask=cols < lim)
@@ -443,7 +471,7 @@ def indexer_scores_kernel(
 
     PREFILL=False: program_id(0) is a request, whose rows are walked ROWS at a time (decode: one tile; "fma" loops over tiles of at most FMA_ROWS rows).
     PREFILL=True: program_id(0) is one ROWS-row tile of one request (found by ``prefill_tile``).
-    FK: keys per step of the "fma" path (DEQ == 3).
+    FK: keys per step of the "fma" / "int8" paths (DEQ 3 / 4).
     """
     pid = tl.program_id(0)
     if PREFILL:
@@ -470,13 +498,13 @@ def indexer_scores_kernel(
         max_pos = tl.max(qpos)
         n_vis = tl.where(max_pos >= 0, tl.minimum(max_pos // BS + 1, n_blk), 0)
         vis_hi = tl.minimum(c_hi, n_vis)
-        if DEQ == 3:  # CUDA-core FMAs: the tile's (row, head) pairs one by one over each decoded key step
-            if ROWS == 1 or t_hi - t0 == 1:  # a single row (plain decode): no FMAs for the tile's spare rows
+        if DEQ >= 3:  # CUDA cores ("fma", "int8"): the tile's (row, head) pairs one by one over each key step
+            if ROWS == 1 or t_hi - t0 == 1:  # a single row (plain decode): no work for the tile's spare rows
                 _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo,
-                          vis_hi, G, D, BS, NBT, FK, FS, G)
+                          vis_hi, G, D, BS, NBT, FK, FS, G, DEQ == 4, UPCAST)
             else:
                 _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo,
-                          vis_hi, G, D, BS, NBT, FK, FS, ROWS * G)
+                          vis_hi, G, D, BS, NBT, FK, FS, ROWS * G, DEQ == 4, UPCAST)
         else:
             _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok, mg, qpos, row_ok, c_lo,
                       vis_hi, G, D, BS, NBT, M, DEQ, UPCAST)
@@ -596,9 +624,9 @@ def _nbt(block_size: int) -> int:
 
 def _scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefill: bool, deq: str,
                  upcast: bool) -> KernelSpec:
-    """The scores kernel's spec; the "fma" tuning knobs (FMA_KEYS, FMA_WARPS, FMA_ROWS, FMA_STAGES) are read
+    """The scores kernel's spec; the "fma" / "int8" tuning knobs (FMA_KEYS, FMA_WARPS, FMA_ROWS, FMA_STAGES) are read
     here, at every call, and are part of the cached builder's key: changing them takes effect at once."""
-    knobs = (FMA_KEYS, FMA_WARPS, FMA_ROWS, FMA_STAGES) if deq == "fma" else (0, 0, 0, 1)
+    knobs = (FMA_KEYS, FMA_WARPS, FMA_ROWS, FMA_STAGES) if deq in ("fma", "int8") else (0, 0, 0, 1)
     return _build_scores_spec(g, d, block_size, q_dtype, rows, prefill, deq, upcast, knobs)
 
 
@@ -608,7 +636,7 @@ def _build_scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int,
     fma_keys, fma_warps, fma_rows, fma_stages = knobs
     ng = d // 16
     dq = DEQ_MODES.index(deq)
-    fma = deq == "fma"
+    fma = deq in ("fma", "int8")  # the CUDA-core paths share the "fma" tile and its knobs
     nbt = max(1, fma_keys // block_size) if fma else _nbt(block_size)
     rows = min(rows, fma_rows) if fma else rows
     m = triton.next_power_of_2(rows * g)

@@ -154,7 +154,7 @@ DEQ_CASES = [
 
 
 @pytest.mark.parametrize("exact", [True, False])
-@pytest.mark.parametrize("deq", ["groupdot", "fp8", "fma"])
+@pytest.mark.parametrize("deq", ["groupdot", "fp8", "fma", "int8"])
 @pytest.mark.parametrize("case", DEQ_CASES, ids=[f"d{c[0]}-bs{c[1]}-g{c[2]}" for c in DEQ_CASES])
 def test_decode_dequant_paths(case: tuple, deq: str, exact: bool, rng: torch.Generator) -> None:
     """Every decode dequant path: exact paths bit-exact on exact inputs; "fp8" equals the reference on
@@ -175,9 +175,10 @@ def _scaled_rows(q: torch.Tensor, exps: tuple[float, ...]) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy: inf × 0 in the ±inf rows
+@pytest.mark.parametrize("deq", ["fma", "int8"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_fma_rows_of_any_magnitude(q_dtype: torch.dtype, rng: torch.Generator) -> None:
-    """"fma" scales each (row, head) by its own power of two: exact inputs at 2^-100..2^100 stay bit-exact (no
+def test_rows_of_any_magnitude(deq: str, q_dtype: torch.dtype, rng: torch.Generator) -> None:
+    """"fma" and "int8" scale each (row, head) by their own power of two: exact inputs at 2^-100..2^100 stay bit-exact (no
     overflow, no lost bits); subnormal rows (2^-140, bf16: 2^-130) agree to a few subnormal ulps (the reference
     rounds each product there); general ones match to float32 rounding row by row;
     NaN / ±inf elements give the reference's NaN / ±inf scores and an all-zero row scores 0."""
@@ -185,7 +186,7 @@ def test_fma_rows_of_any_magnitude(q_dtype: torch.dtype, rng: torch.Generator) -
     lens, rows = [90, 200], [4, 2]
     b = _batch(lens, rows, bs, 64, 2, rng, exact=True, q_dtype=q_dtype)
     b["index_q"] = _scaled_rows(b["index_q"], (-100, 100, -30, 0, 64, -64))  # ~1e-30, ~1e30, ...
-    _check(b, bs, top_k, exact=True, deq="fma", max_q_rows=4)
+    _check(b, bs, top_k, exact=True, deq=deq, max_q_rows=4)
     # general inputs at normal magnitudes only (with subnormal q the reference itself rounds its products)
     b = _batch(lens, rows, bs, 64, 2, rng, exact=False, q_dtype=q_dtype)
     b["index_q"] = _scaled_rows(b["index_q"], (-100, 100, 0, 64, -64, -30))
@@ -193,7 +194,7 @@ def test_fma_rows_of_any_magnitude(q_dtype: torch.dtype, rng: torch.Generator) -
     b["index_q"][1, 0, 9] = float("-inf")
     b["index_q"][2, 1, 0] = float("nan")
     b["index_q"][3, 0] = 0.0
-    scores, sel = _run(b, bs, top_k, deq="fma", max_q_rows=4)
+    scores, sel = _run(b, bs, top_k, deq=deq, max_q_rows=4)
     ref = _reference(b, bs)
     assert torch.equal(scores.isnan(), ref.isnan()) and torch.equal(scores.isinf(), ref.isinf())
     assert torch.equal(scores[scores.isinf()], ref[ref.isinf()])
@@ -213,7 +214,7 @@ def test_fma_rows_of_any_magnitude(q_dtype: torch.dtype, rng: torch.Generator) -
     b["index_q"] = _scaled_rows(b["index_q"], (-130,) if q_dtype == torch.bfloat16 else (-140,))
     q = b["index_q"].float()
     assert (q.abs().amax(-1) > 0).all() and q.abs().amax() < 2.0**-126  # really subnormal, not flushed to 0
-    scores, sel = _run(b, bs, top_k, deq="fma", max_q_rows=4)
+    scores, sel = _run(b, bs, top_k, deq=deq, max_q_rows=4)
     ref = _reference(b, bs)
     fin = ref.isfinite()
     assert torch.equal(fin, scores.isfinite()) and torch.equal(scores[~fin], ref[~fin])
@@ -249,6 +250,72 @@ def test_bf16_nibble_placement_is_exact() -> None:
         assert torch.equal(val, e2m1[nib])
     mi = _kernels()
     assert "0x00070007; shl.b32 a, a, 6" in mi._ASM_BF16_LO.value and "0x00800080; shl.b32 b, b, 8" in mi._ASM_BF16_HI.value
+
+
+def _run_ptx(asm: str, args: list[int]) -> int:
+    """A small interpreter for the PTX subset of the "int8" path's inline assembly (32-bit registers; $0 the
+    output, $1.. the inputs), written from the PTX ISA's definitions of prmt (default mode: a selector nibble
+    with its top bit set replicates the chosen byte's sign) and dp4a (signed bytes)."""
+    m32 = 0xFFFFFFFF
+    reg = {f"${i + 1}": a & m32 for i, a in enumerate(args)}
+
+    def val(x: str) -> int:
+        return reg[x] if x in reg else int(x, 0) & m32
+
+    def sbyte(x: int, i: int) -> int:
+        b = (x >> (8 * i)) & 255
+        return b - 256 if b & 128 else b
+
+    for ins in asm.strip("{} ").split(";"):
+        parts = ins.replace(",", " ").split()
+        if not parts or parts[0] == ".reg":
+            continue
+        op, d, *src = parts
+        a = [val(x) for x in src]
+        if op == "mov.b32":
+            r = a[0]
+        elif op in ("and.b32", "or.b32", "xor.b32"):
+            r = {"and.b32": a[0] & a[1], "or.b32": a[0] | a[1], "xor.b32": a[0] ^ a[1]}[op]
+        elif op in ("shl.b32", "shr.b32"):
+            r = (a[0] << a[1]) if op == "shl.b32" else (a[0] >> a[1])
+        elif op == "prmt.b32":
+            pool = a[0] | (a[1] << 32)
+            r = 0
+            for i in range(4):
+                sel = (a[2] >> (4 * i)) & 15
+                byte = (pool >> (8 * (sel & 7))) & 255
+                if sel & 8:
+                    byte = 255 if byte & 128 else 0
+                r |= byte << (8 * i)
+        elif op == "dp4a.s32.s32":
+            r = a[2] + sum(sbyte(a[0], i) * sbyte(a[1], i) for i in range(4))
+        elif op == "sub.s32":
+            r = a[0] - a[1]
+        elif op == "mad.lo.s32":
+            r = a[0] * a[1] + a[2]
+        else:
+            raise AssertionError(f"unexpected PTX op {op!r}")
+        reg[d] = r & m32
+    out = reg["$0"]
+    return out - (1 << 32) if out >> 31 else out
+
+
+def test_int8_dp4a_ptx_program(rng: torch.Generator) -> None:
+    """The "int8" path's PTX (read by a PTX-subset interpreter): two code words against three int8 parts of q give
+    ((h·128 + m)·128 + l) with h, m, l = sum over the 16 elements of 2·E2M1 value × part, every nibble value in
+    every position (the GPU tests run the same text on the hardware)."""
+    from m3c.backends.kernels import msa_indexer_int8
+
+    asm = msa_indexer_int8._ASM_DP4A.value
+    two_v = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]
+    words = torch.randint(0, 1 << 32, (40, 2), generator=rng, dtype=torch.int64).tolist()
+    words += [[int("".join(f"{(n + k) % 16:x}" for k in range(8)), 16)] * 2 for n in range(16)]  # all nibbles
+    for w in words:
+        parts = torch.randint(-64, 65, (3, 16), generator=rng).tolist()
+        qw = [sum((parts[p][4 * i + j] & 255) << (8 * j) for j in range(4)) for p in range(3) for i in range(4)]
+        vals = [two_v[(w[e // 8] >> (4 * (e % 8))) & 15] for e in range(16)]
+        h, m, lo = (sum(v * q for v, q in zip(vals, parts[p])) for p in range(3))
+        assert _run_ptx(asm, [w[0], w[1], *qw]) == (h * 128 + m) * 128 + lo
 
 
 PREFILL_CASES = [
@@ -503,7 +570,7 @@ def _check_fp8(b: dict, bs: int, top_k: int, **kw) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma"])
+@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma", "int8"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_m31_small_long_contexts(deq: str, q_dtype: torch.dtype, rng: torch.Generator) -> None:
     """Decode at 32K and 1M tokens with 1-4 speculative rows, each dequant path."""
@@ -529,7 +596,7 @@ def test_m31_small_prefill_chunk(ctx: int, rng: torch.Generator) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma"])
+@pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma", "int8"])
 def test_offline_cubins_through_the_runtime(deq: str, rng: torch.Generator) -> None:
     """indexer_specs compiled offline (this Triton, sm_90a) and launched by the runtime's CubinRunner, in
     both phases, against the reference."""
