@@ -139,10 +139,14 @@ FMA_KEYS = 64
 FMA_WARPS = 4
 """Warps of the "fma" and "int8" paths' programs."""
 FMA_STAGES = 3
-"""Software-pipeline stages of the "fma" and "int8" paths' block loop (``tl.range(num_stages=...)``; 1: none, the key
-loads are issued in the step that uses them; > 1: Triton moves them through shared memory with cp.async,
-FMA_STAGES - 1 steps ahead). H200, 1M tokens, batch 1, scores + top-k: 1-row tiles 66.4 µs at 1 stage,
-66.4 at 2, 62.1 at 3; 2-row tiles 89.5 at 1, 80.2 at 2 (benchmarks/RESULTS.md, session 10)."""
+"""How the "fma" and "int8" paths' block loop brings its keys in: n >= 1 uses Triton's ``tl.range(num_stages=n)``
+(1: loads issued in the step that uses them; > 1: cp.async through shared memory, n - 1 steps ahead; H200, 1M
+tokens, batch 1, scores + top-k: 1-row tiles 66.4 µs at 1 stage, 66.4 at 2, 62.1 at 3; batch 8: 358.2 at 1,
+302.8 at 3); 0 loads the next step's keys into registers while the current step computes (steps of whole
+blocks: FMA_KEYS >= block size, else 3). Not yet measured in the kernel: a read-only kernel of the same grid
+and loads (benchmarks/bench_indexer_stream.py, H200, 1M tokens, batch 8) reads at 91% of the byte floor with
+plain or register-prefetched loads but at 43% through the 3-stage cp.async pipeline, so FMA_STAGES = 0 with
+FMA_KEYS = 128 is the next default to try (predicted: batch 8 scores ~277 -> ~190-220 µs)."""
 FMA_ROWS = 2
 """Query rows per tile of the "fma" and "int8" paths (at most; more rows loop over tiles, keys re-read per tile). The
 tile's rows × G (row, head) pairs share each decoded key step but hold their q in registers, and a kernel
@@ -255,6 +259,22 @@ def _fma_pair(q_row, q_off, pos, valid, out_row):
 
 
 @triton.jit
+def _fma_load(kw_ptr, ks_ptr, bt_row, b0, kk, g, w_off, vis_hi, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr,
+              BL: tl.constexpr, NG: tl.constexpr):
+    """The code words [FK, NG, 2] and scale bytes [FK, NG] of the step (of whole blocks) starting at block b0; keys
+    of blocks at or past vis_hi read as zeros and are not loaded (the prefetch past the last step)."""
+    blk = b0 + kk // BL
+    ok = blk < vis_hi
+    if NBT == 1:
+        slot = tl.load(bt_row + b0, mask=b0 < vis_hi, other=0).to(tl.int64) * BS + kk
+    else:
+        slot = tl.load(bt_row + blk, mask=ok, other=0).to(tl.int64) * BS + kk % BL
+    words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off, mask=ok[:, None, None], other=0)
+    sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :], mask=ok[:, None], other=0)
+    return words, sbyte
+
+
+@triton.jit
 def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
               G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr, FS: tl.constexpr,
               R: tl.constexpr, I8: tl.constexpr, UPCAST: tl.constexpr):
@@ -287,13 +307,21 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
             pairs = pairs + ((qw, d1, d2, pos, valid, out_ptr + (tok * G + i % G) * MB, bad, q_row),)  # noqa: RUF005
         else:
             pairs = pairs + (_fma_pair(q_row, q_off, pos, valid, out_ptr + (tok * G + i % G) * MB),)  # noqa: RUF005
-    for b0 in tl.range(c_lo, vis_hi, NBT, num_stages=FS):  # FS > 1: Triton pipelines the key loads (cp.async)
+    if FS == 0:  # register prefetch: a step's keys load while the step before computes (one step per block)
+        tl.static_assert(SUB == 1, "register prefetch needs FK >= BS")
+        words_n, sbyte_n = _fma_load(kw_ptr, ks_ptr, bt_row, c_lo, kk, g, w_off, vis_hi, D, BS, NBT, BL, NG)
+    for b0 in tl.range(c_lo, vis_hi, NBT, num_stages=FS + (FS == 0)):  # FS > 1: Triton's cp.async pipelining
         bests = ()  # per pair: [FK] scores (masked: -inf), maxima over the block's steps so far
         for u in tl.static_range(SUB):
             blk = b0 + kk // BL  # request-relative block of each key
             kpos = u * BL + kk % BL  # the key's slot in its block
             ok = blk < vis_hi
-            if NBT == 1:  # (part of) one block: scalar base address, unmasked loads
+            if FS == 0:
+                words = words_n
+                sbyte = sbyte_n
+                words_n, sbyte_n = _fma_load(kw_ptr, ks_ptr, bt_row, b0 + NBT, kk, g, w_off, vis_hi, D, BS, NBT, BL,
+                                             NG)
+            elif NBT == 1:  # (part of) one block: scalar base address, unmasked loads
                 slot = tl.load(bt_row + b0).to(tl.int64) * BS + kpos
                 words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off)
                 sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :])
@@ -630,6 +658,12 @@ def _scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefi
     return _build_scores_spec(g, d, block_size, q_dtype, rows, prefill, deq, upcast, knobs)
 
 
+def _fma_stages(stages: int, keys: int, block_size: int) -> int:
+    """FMA_STAGES as the kernel takes it: register prefetch (0) needs steps of whole blocks (keys >= block size);
+    smaller steps fall back to Triton's 3-stage cp.async pipelining."""
+    return 3 if stages == 0 and keys < block_size else stages
+
+
 @functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _build_scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int, prefill: bool, deq: str,
                        upcast: bool, knobs: tuple[int, int, int, int]) -> KernelSpec:
@@ -643,7 +677,7 @@ def _build_scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int,
     if not fma:
         m = max(m, 16) if dq == 0 else max(m, triton.cdiv(16, ng), 2)  # tl.dot: every dim >= 16
     consts = dict(G=g, D=d, BS=block_size, NBT=nbt, ROWS=rows, M=m, FILL=32, PREFILL=prefill, RB=64, DEQ=dq,
-                  UPCAST=upcast, FK=fma_keys if fma else 0, FS=fma_stages if fma else 1)
+                  UPCAST=upcast, FK=fma_keys if fma else 0, FS=_fma_stages(fma_stages, fma_keys, block_size) if fma else 1)
     types = {"q_ptr": f"*{q_dtype}", "kd_ptr": "*u8", "ks_ptr": "*u8", "pos_ptr": "*i64", "qsl_ptr": "*i32",
              "seq_ptr": "*i32", "bt_ptr": "*i32", "out_ptr": "*fp32", "stride_qt": "i32", "stride_qg": "i32",
              "stride_bt": "i32", "MB": "i32", "NR": "i32", "chunk_blocks": "i32"}

@@ -167,6 +167,23 @@ def test_decode_dequant_paths(case: tuple, deq: str, exact: bool, rng: torch.Gen
         assert torch.equal(_fp8_q(b["index_q"]), b["index_q"].float())
 
 
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("deq", ["fma", "int8"])
+@pytest.mark.parametrize("case", DEQ_CASES, ids=[f"d{c[0]}-bs{c[1]}-g{c[2]}" for c in DEQ_CASES])
+def test_register_prefetch_steps(case: tuple, deq: str, exact: bool, rng: torch.Generator,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA-core paths with FMA_STAGES = 0 (the next step's keys prefetched into registers, steps of whole
+    blocks): the same results, including the prefetch past each chunk's last block (masked, never stored)."""
+    mi = _kernels()
+    d, bs, g, lens, rows, top_k, q_dtype, max_rows = case
+    monkeypatch.setattr(mi, "FMA_STAGES", 0)
+    monkeypatch.setattr(mi, "FMA_KEYS", max(64, bs))
+    spec = mi._scores_spec(g, d, bs, "fp32", 1, False, deq, True)
+    assert spec.constexprs["FS"] == 0 and spec.constexprs["FK"] >= bs
+    b = _batch(lens, rows, bs, d, g, rng, exact=exact, q_dtype=q_dtype)
+    _check(b, bs, top_k, exact=exact, max_q_rows=max_rows, deq=deq, chunk_blocks=3)
+
+
 def _scaled_rows(q: torch.Tensor, exps: tuple[float, ...]) -> torch.Tensor:
     """q with its (token, head) rows scaled by 2^exps[0], 2^exps[1], ... in turn."""
     t, g, _ = q.shape
