@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points, MSA quick grid, traces (~250 s)
-#   bash benchmarks/device_check.sh sweep        # MoE GEMV tilings at T = 1, 4; attention tilings; indexer stages (~200 s)
+#   bash benchmarks/device_check.sh sweep        # decode indexer: cp.async stages vs register prefetch, fma / int8 (~200 s)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -40,16 +40,17 @@ bench() {
   grep -E '^ +[0-9]' "$OUT/trace_attn1m.txt" | head -6; grep -E '^ +[0-9]' "$OUT/trace_moe1.txt" | head -8
 }
 
-sweep() {
-  timeout 150 python benchmarks/bench_moe_gemv_tiles.py --tokens 1 4 > "$OUT/moe_gemv.txt" 2>&1; mark gemv
-  timeout 80 python benchmarks/bench_msa_attention_decode.py --contexts 32768 --batches 1 8 --splits 8 16 \
-    --stages 1 3 --warps 4 8 --block-n 64 > "$OUT/attn_sweep.txt" 2>&1; mark attention
-  for fs in 1 3; do  # the indexer's pipeline stages at batch 8 (throughput-bound; 3 stages: 119 vs 54 registers)
-    timeout 60 python benchmarks/bench_msa_indexer_variants.py --no-prefill --deq fma --contexts 1048576 \
-      --batches 8 --fma-stages $fs > "$OUT/idx_b8_s$fs.txt" 2>&1
+sweep() {  # the decode indexer's key loading: cp.async stages (default) against register prefetch (FMA_STAGES = 0)
+  local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 131072 1048576 --batches 1 8"
+  for cfg in "64 4 3" "128 4 0" "128 8 0" "64 2 3" "128 16 0"; do
+    set -- $cfg
+    timeout 70 $b --deq fma int8 --fma-keys $1 --fma-warps $2 --fma-stages $3 > "$OUT/idx_$1_$2_$3.txt" 2>&1
   done; mark indexer
-  grep -E '^ +[0-9]+ (gemv|mma)' "$OUT/moe_gemv.txt"; grep -E '^ +[0-9]{5}' "$OUT/attn_sweep.txt"
-  for fs in 1 3; do echo "fma stages $fs:"; tail -1 "$OUT/idx_b8_s$fs.txt"; done
+  timeout 60 python benchmarks/bench_indexer_stream.py --batches 8 > "$OUT/stream.txt" 2>&1; mark stream
+  for cfg in "64 4 3" "128 4 0" "128 8 0" "64 2 3" "128 16 0"; do
+    set -- $cfg; echo "keys $1, warps $2, stages $3:"; grep -E '^ decode' "$OUT/idx_$1_$2_$3.txt"
+  done
+  tail -7 "$OUT/stream.txt"
 }
 
 for step in "$@"; do
