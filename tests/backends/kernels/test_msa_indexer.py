@@ -340,6 +340,9 @@ PREFILL_CASES = [
     (64, 8, 2, [90, 30, 61, 17], [21, 0, 9, 17], 4, torch.float32, 16, 3),  # 8-row tiles, an idle request
     (32, 16, 1, [300, 41], [40, 7], 5, torch.bfloat16, 16, None),  # 16-row tiles
     (32, 8, 1, [150, 40], [30, 12], 4, torch.bfloat16, 128, 4),  # the default tile (128 rows × G)
+    # 16-row tiles of 200 rows: steps that one row of a tile sees whole and another does not (the mask skip
+    # must go by the tile's earliest row)
+    (32, 16, 1, [300, 41], [200, 7], 4, torch.bfloat16, 16, None),
 ]
 
 
