@@ -23,18 +23,18 @@ from m3c.model_defs import quant
 
 
 def variants(t: int) -> list[mp.Tiles]:
-    """GEMV tilings to try at t tokens: 1-row tiles, bytes prefetched in registers (pipe 0) or pipelined by
-    Triton through shared memory (``tl.range(num_stages=pipe)``), the wide path (``wide_bk``), and 2-row
-    tiles when t > 1."""
-    def g(bm: int, bn1: int, bn2: int, bk: int, w: int, pipe: int, wide: int = 0) -> mp.Tiles:
-        return mp.Tiles(bm, bn1, bn2, bk, w, 1, 16, 256, 4, gemv=True, pipe=pipe, wide_bk=wide)
+    """GEMV tilings to try at t tokens: 1-row tiles with their bytes prefetched in registers 1 or 2 K steps ahead
+    (``ahead``), one wide-path and one Triton-pipelined tiling for reference (both lost at session 11 / 10), and
+    2-row tiles when t > 1."""
+    def g(bm: int, bn1: int, bn2: int, bk: int, w: int, pipe: int, wide: int = 0, ahead: int = 1) -> mp.Tiles:
+        return mp.Tiles(bm, bn1, bn2, bk, w, 1, 16, 256, 4, gemv=True, pipe=pipe, wide_bk=wide, ahead=ahead)
     out = [g(1, 16, 16, 128, 4, 0), g(1, 16, 16, 64, 2, 0)]
-    # the wide path (16-byte code loads, K step `wide`; moe_gemv_wide.py): not measured yet
-    out += [g(1, 16, 16, 128, 4, 0, 512), g(1, 16, 16, 128, 4, 0, 256), g(1, 32, 32, 128, 8, 0, 512),
-            g(1, 8, 8, 128, 2, 0, 512)]
-    out += [g(1, 16, 16, 128, 4, 3), g(1, 16, 32, 128, 8, 4)]  # Triton-pipelined (lost at session 10: 240-290 µs)
+    # 2 K steps in flight (sm_90a registers FC1 / FC2: 128 / 72 at bk 128, 4 warps; 72 / 40 at bk 64, 4 warps;
+    # 125 / 70 at bk 64, 2 warps): bytes in flight per SM ~18 KB against ~9 KB for the default tiles
+    out += [g(1, 16, 16, 128, 4, 0, ahead=2), g(1, 16, 16, 64, 4, 0, ahead=2), g(1, 16, 16, 64, 2, 0, ahead=2)]
+    out += [g(1, 16, 16, 128, 4, 0, 256), g(1, 16, 16, 128, 4, 3)]  # wide path; Triton-pipelined
     if t > 1:
-        out += [g(2, 16, 16, 64, 4, 0), g(2, 16, 16, 128, 4, 3)]
+        out += [g(2, 16, 16, 64, 4, 0), g(2, 16, 16, 64, 4, 0, ahead=2)]
     return out
 
 
@@ -61,7 +61,8 @@ def main() -> None:
         pick = mp._tile_options(lay, mp._bucket(lay, t), False)
         for tiles in [small, pick] if args.defaults_only else [small, *variants(t)]:
             name = (f"{'gemv' if tiles.gemv else 'mma'} bm{tiles.bm} bn{tiles.bn1}x{tiles.bn2} bk{tiles.bk} "
-                    f"w{tiles.warps} s{tiles.stages} p{tiles.pipe}" + (f" wide{tiles.wide_bk}" if tiles.wide_bk else ""))
+                    f"w{tiles.warps} s{tiles.stages} p{tiles.pipe} a{tiles.ahead}"
+                    + (f" wide{tiles.wide_bk}" if tiles.wide_bk else ""))
             out = torch.empty_like(x)
             try:
                 got = mp._launch(*a, tiles, mp.jit_run, out)

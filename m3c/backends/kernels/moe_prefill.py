@@ -45,7 +45,11 @@ shifts + 1 LOP3 per code), × its E4M3 scale (×2^119) — and FMAs it with each
 accumulators [BN, BK/16, 2, 8] (one FFMA per weight and row, fp-contraction on), reduced once after the
 loop. Offline sm_90a SASS (Triton 3.9): ~7.2 instructions per weight in FC1's NVFP4 loop (3 integer,
 FMUL, FFMA, the rest loads and a scale-layout exchange through shared memory). ``Tiles.pipe`` > 1 lets
-Triton's pipeliner stream the bytes through shared memory instead (cp.async), not yet measured. A batch
+Triton's pipeliner stream the bytes through shared memory instead (cp.async; measured 30-60% slower).
+``Tiles.ahead`` = 2 keeps two K steps of bytes in flight in registers: the default tiles hold ~9 KB in flight
+per SM (FC1: 4 programs of 125 registers × 2.3 KB a step; FC2: 8 × 1.15 KB), which at ~1 µs of loaded memory
+latency caps them near the 22-25% of the read bandwidth they reach on the H200 (Little's law); two steps
+double it for 3-8 more registers (not yet measured: ``bench_moe_gemv_tiles.py``). A batch
 is summed in a different order by the GEMV tiles (T <= 4) than by the tensor-core tiles: the same tokens
 in batches of different sizes differ by float32 / bf16 rounding (~5e-4 relative in bf16), not more.
 
@@ -332,7 +336,7 @@ def _gemv_fits(BM: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, N: tl.conste
 @triton.jit
 def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_rows, H: tl.constexpr,
               N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              PIPE: tl.constexpr):
+              PIPE: tl.constexpr, AHEAD: tl.constexpr):
     """`_fc1_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
     _gemv_fits(BM, H, BK, N, BN)
     G: tl.constexpr = BK // 16
@@ -347,16 +351,23 @@ def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
             ud, us = _gemv_load(wd_ptr, ws_ptr, ru, k0, H, FMT, G)
             g0, u0, g1, u1, g2, u2, g3, u3 = _fc1_rows_step(g0, u0, g1, u1, g2, u2, g3, u3, _gemv_w(gd, gs, FMT),
                                                             _gemv_w(ud, us, FMT), x0, x1, x2, x3, k0, BM, G)
-    else:  # the next step's bytes prefetched in registers (the last step re-loads its own: harmless)
+    else:  # the bytes of the next AHEAD steps in flight in registers (the last steps re-load the last: harmless)
         gd, gs = _gemv_load(wd_ptr, ws_ptr, rg, 0, H, FMT, G)
         ud, us = _gemv_load(wd_ptr, ws_ptr, ru, 0, H, FMT, G)
+        if AHEAD == 2:
+            gd1, gs1 = _gemv_load(wd_ptr, ws_ptr, rg, tl.minimum(BK, H - BK), H, FMT, G)
+            ud1, us1 = _gemv_load(wd_ptr, ws_ptr, ru, tl.minimum(BK, H - BK), H, FMT, G)
         for k0 in range(0, H, BK):
-            kn = tl.minimum(k0 + BK, H - BK)
+            kn = tl.minimum(k0 + AHEAD * BK, H - BK)
             gd_n, gs_n = _gemv_load(wd_ptr, ws_ptr, rg, kn, H, FMT, G)
             ud_n, us_n = _gemv_load(wd_ptr, ws_ptr, ru, kn, H, FMT, G)
             g0, u0, g1, u1, g2, u2, g3, u3 = _fc1_rows_step(g0, u0, g1, u1, g2, u2, g3, u3, _gemv_w(gd, gs, FMT),
                                                             _gemv_w(ud, us, FMT), x0, x1, x2, x3, k0, BM, G)
-            gd, gs, ud, us = gd_n, gs_n, ud_n, us_n
+            if AHEAD == 2:
+                gd, gs, ud, us = gd1, gs1, ud1, us1
+                gd1, gs1, ud1, us1 = gd_n, gs_n, ud_n, us_n
+            else:
+                gd, gs, ud, us = gd_n, gs_n, ud_n, us_n
     mg = _row_mul(wg_ptr, rg, FMT)
     mu = _row_mul(wg_ptr, ru, FMT)
     cols = n0 + tl.arange(0, BN)
@@ -386,7 +397,7 @@ def _silu_mul_row(g, u, mg, mu, out_ptr, orow, ok, cols, N: tl.constexpr):
 @triton.jit
 def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, yrows, K: tl.constexpr,
               H: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              PIPE: tl.constexpr):
+              PIPE: tl.constexpr, AHEAD: tl.constexpr):
     """`_fc2_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
     _gemv_fits(BM, K, BK, H, BN)
     G: tl.constexpr = BK // 16
@@ -398,12 +409,18 @@ def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
         for k0 in tl.range(0, K, BK, num_stages=PIPE):
             wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, k0, K, FMT, G)
             c0, c1, c2, c3 = _fc2_rows_step(c0, c1, c2, c3, _gemv_w(wd, ws, FMT), a0, a1, a2, a3, k0, BM, G)
-    else:  # the next step's bytes prefetched in registers (the last step re-loads its own: harmless)
+    else:  # the bytes of the next AHEAD steps in flight in registers (the last steps re-load the last: harmless)
         wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, 0, K, FMT, G)
+        if AHEAD == 2:
+            wd1, ws1 = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(BK, K - BK), K, FMT, G)
         for k0 in range(0, K, BK):
-            wd_n, ws_n = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(k0 + BK, K - BK), K, FMT, G)
+            wd_n, ws_n = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(k0 + AHEAD * BK, K - BK), K, FMT, G)
             c0, c1, c2, c3 = _fc2_rows_step(c0, c1, c2, c3, _gemv_w(wd, ws, FMT), a0, a1, a2, a3, k0, BM, G)
-            wd, ws = wd_n, ws_n
+            if AHEAD == 2:
+                wd, ws = wd1, ws1
+                wd1, ws1 = wd_n, ws_n
+            else:
+                wd, ws = wd_n, ws_n
     m = _row_mul(wg_ptr, rw, FMT)
     cols = n0 + tl.arange(0, BN)
     _scaled_row(c0, m, _lane(wt, 0), y_ptr, _lane(yrows, 0), ok0, cols, H)
@@ -446,7 +463,7 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, s
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
-                   PIPE: tl.constexpr, WBK: tl.constexpr):
+                   PIPE: tl.constexpr, AHEAD: tl.constexpr, WBK: tl.constexpr):
     """FC1 + SiLU·up of one row tile × BN intermediate columns: shared tiles first, then routed tiles (WBK > 0:
     NVFP4 routed GEMV tiles take the wide path, :mod:`m3c.backends.kernels.moe_gemv_wide`)."""
     pid_m = tl.program_id(0)
@@ -456,7 +473,8 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, s
         if (pid_m < n_sh) & (n0 < S):
             tok = pid_m * BM + m
             if GEMV:
-                _fc1_gemv(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK, PIPE)
+                _fc1_gemv(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK, PIPE,
+                          AHEAD)
             else:
                 _fc1_tile(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK,
                           DOT_F32)
@@ -473,7 +491,7 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, s
                          INTER, BM, BN, WBK)
             elif GEMV:
                 _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
-                          INTER, FMT, BM, BN, BK, PIPE)
+                          INTER, FMT, BM, BN, BK, PIPE, AHEAD)
             else:
                 _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
                           INTER, FMT, BM, BN, BK, DOT_F32)
@@ -485,7 +503,7 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_p
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
-                   PIPE: tl.constexpr, WBK: tl.constexpr):
+                   PIPE: tl.constexpr, AHEAD: tl.constexpr, WBK: tl.constexpr):
     """FC2 × routing weight of one row tile × BN hidden columns into y [T, TOPK + HAS_SHARED, H] (WBK: as FC1)."""
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     pid_m = tl.program_id(0)
@@ -497,7 +515,7 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_p
             one = tl.full([BM], 1.0, tl.float32)
             if GEMV:
                 _fc2_gemv(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
-                          SFMT, BM, BN, BK, PIPE)
+                          SFMT, BM, BN, BK, PIPE, AHEAD)
             else:
                 _fc2_tile(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
                           SFMT, BM, BN, BK, DOT_F32)
@@ -515,7 +533,7 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_p
                          INTER, H, BM, BN, WBK)
             elif GEMV:
                 _fc2_gemv(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
-                          FMT, BM, BN, BK, PIPE)
+                          FMT, BM, BN, BK, PIPE, AHEAD)
             else:
                 _fc2_tile(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
                           FMT, BM, BN, BK, DOT_F32)
@@ -576,6 +594,7 @@ class Tiles:
     gemv: bool = False  # CUDA-core FMA tiles (bm <= 4 rows: weights decoded once per program, no MMA)
     pipe: int = 0  # GEMV tiles: 0 = next step's bytes prefetched in registers; n > 1 = tl.range(num_stages=n)
     wide_bk: int = 0  # GEMV tiles, bm 1, NVFP4 routed weights: > 0 = the wide path (16-byte loads, K step wide_bk)
+    ahead: int = 1  # GEMV tiles, pipe 0: K steps of bytes in flight in registers (1 or 2)
 
 
 def _divides(options: tuple[int, ...], *dims: int) -> int:
@@ -639,7 +658,7 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> tuple[KernelSpec, ...]:
     common = dict(H=lay.hidden, INTER=lay.inter, S=lay.shared_inter if has_sh else 0, TOPK=lay.top_k, E=lay.experts,
                   EP=triton.next_power_of_2(lay.experts), FMT=FMT_CODES[lay.w13_fmt],
                   SFMT=FMT_CODES[sfmt] if sfmt else 0, HAS_SHARED=has_sh, BM=tiles.bm, BK=tiles.bk, DOT_F32=dot_f32,
-                  GEMV=tiles.gemv, PIPE=tiles.pipe, WBK=tiles.wide_bk)
+                  GEMV=tiles.gemv, PIPE=tiles.pipe, AHEAD=tiles.ahead, WBK=tiles.wide_bk)
     w = {"wd_ptr": _ptr(lay.w13_fmt, True), "ws_ptr": _ptr(lay.w13_fmt, False), "wg_ptr": "*fp32",
          "sd_ptr": _ptr(sfmt, True), "ss_ptr": _ptr(sfmt, False)}
     t1 = {"x_ptr": act, "order_ptr": "*i32", "offs_ptr": "*i32", **w, "act_ptr": act,
@@ -815,6 +834,8 @@ def _check_tiles(lay: Layout, tiles: Tiles) -> None:
         bad.append(f"GEMV tiles hold 1, 2 or 4 rows, not bm={tiles.bm}")
     if tiles.pipe and not tiles.gemv:
         bad.append("pipe applies to GEMV tiles only (the tensor-core tiles pipeline through `stages`)")
+    if tiles.ahead not in (1, 2):
+        bad.append(f"ahead={tiles.ahead}: GEMV tiles keep 1 or 2 K steps of bytes in flight")
     if tiles.wide_bk and lay.w13_fmt == "nvfp4":  # other routed formats ignore it (the default GEMV tiles run)
         if not tiles.gemv or tiles.bm != 1:
             bad.append(f"wide_bk needs GEMV tiles of one row (gemv={tiles.gemv}, bm={tiles.bm})")

@@ -163,12 +163,15 @@ GEMV_CASES = {
 }
 
 
-@pytest.mark.parametrize("bucket,pipe,wide", [("gemv1", 0, 0), ("gemv2", 0, 0), ("gemv4", 0, 0), ("gemv1", 3, 0),
-                                             ("gemv4", 2, 0), ("gemv1", 0, 32), ("gemv1", 0, 64)])
+@pytest.mark.parametrize("bucket,pipe,wide,ahead", [("gemv1", 0, 0, 1), ("gemv2", 0, 0, 1), ("gemv4", 0, 0, 1),
+                                                   ("gemv1", 3, 0, 1), ("gemv4", 2, 0, 1), ("gemv1", 0, 32, 1),
+                                                   ("gemv1", 0, 64, 1), ("gemv1", 0, 0, 2), ("gemv2", 0, 0, 2)])
 @pytest.mark.parametrize("case", list(GEMV_CASES))
-def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, wide: int, rng: torch.Generator) -> None:
-    """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, bytes prefetched in registers or pipelined by Triton
-    (``pipe``), or the wide path (``wide``: its K step; NVFP4 routed weights only — the other formats' cases
+def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, wide: int, ahead: int,
+                                    rng: torch.Generator) -> None:
+    """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, bytes prefetched in registers 1 or 2 K steps ahead
+    (``ahead``) or pipelined by Triton (``pipe``), or the wide path (``wide``: its K step; NVFP4 routed weights
+    only — the other formats' cases
     run the default tiles with it set), in every weight format: experts holding more rows than a tile, tiles
     with fewer rows than their size, and the shared expert's partial last tile all match."""
     t, h, inter, e, k, s, fmt, sfmt, act = GEMV_CASES[case]
@@ -190,7 +193,8 @@ def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, wide: int
     x, ids, wts, w13, w2, sh13, sh2 = (_to(v, dev) for v in (x, ids, wts, w13, w2, sh13, sh2))
     xa = x.to(act)
     lay = mp._layout(xa, ids, wts, w13, w2, sh13, sh2)
-    tiles = dataclasses.replace(mp._tile_options(lay, bucket, mp.interpreting()), pipe=pipe, wide_bk=wide)
+    tiles = dataclasses.replace(mp._tile_options(lay, bucket, mp.interpreting()), pipe=pipe, wide_bk=wide,
+                                ahead=ahead)
     if wide:
         assert mp._specs(lay, tiles, mp.interpreting())[0].constexprs["WBK"] == wide  # the launch takes the wide path
     assert tiles.gemv and tiles.bm == int(bucket[4:])
@@ -212,7 +216,8 @@ def test_rejects_tilings_that_do_not_fit(rng: torch.Generator) -> None:
                        (dataclasses.replace(mp._tile_options(lay, "small", True), pipe=3), "pipe"),
                        (dataclasses.replace(good, wide_bk=96), "power of two"),
                        (dataclasses.replace(good, wide_bk=128), "does not divide 64"),
-                       (dataclasses.replace(mp._tile_options(lay, "gemv2", True), wide_bk=32), "one row")):
+                       (dataclasses.replace(mp._tile_options(lay, "gemv2", True), wide_bk=32), "one row"),
+                       (dataclasses.replace(good, ahead=3), "1 or 2 K steps")):
         with pytest.raises(ShapeError, match=match):
             mp._launch(x, ids, wts, w13, w2, sh13, sh2, lay, bad, mp.jit_run, None)
 
