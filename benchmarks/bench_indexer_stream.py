@@ -1,7 +1,7 @@
 """Benchmark: how fast can the MSA indexer's decode grid merely READ its keys? (the data-movement ceiling).
 
 A kernel with the indexer's decode geometry (grid = requests × block chunks from ``pick_chunk_blocks``, the
-block table walked block by block, the keys loaded exactly as the "fma" / "int8" paths load them: [FK, D/16, 2]
+block table walked block by block, the keys loaded by the "fma" / "int8" paths' own ``_fma_load``: [FK, D/16, 2]
 int32 code words + [FK, D/16] scale bytes per step) that only XORs what it loads, against the index-key byte
 floor (72 B/token at 4.28 TB/s) and a plain torch read of the same bytes. If the indexer's time sits at this
 ceiling, its math is not what bounds it: the loads are. Variants: keys per step (FK), warps, pipeline stages
@@ -20,19 +20,11 @@ import triton
 import triton.language as tl
 from _timing import bench_graph, record_point, write_results
 
-from m3c.backends.kernels.msa_indexer import pick_chunk_blocks
+from m3c.backends.kernels.msa_indexer import _fma_load, pick_chunk_blocks
 
 READ_BW = 4.28e12
 D, BS = 128, 128
 NG = D // 16
-
-
-@triton.jit
-def _step(kw_ptr, ks_ptr, bt_row, b0, u, kk, g, w_off, FK: tl.constexpr, BS: tl.constexpr, NG: tl.constexpr):
-    slot = tl.load(bt_row + b0).to(tl.int64) * BS + u * FK + kk
-    words = tl.load(kw_ptr + slot[:, None, None] * (2 * NG) + w_off)
-    sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :])
-    return words, sbyte
 
 
 @triton.jit
@@ -50,16 +42,18 @@ def stream_kernel(kd_ptr, ks_ptr, bt_ptr, out_ptr, stride_bt, n_blk, chunk, FK: 
     acc = tl.zeros([FK, NG, 2], tl.int32)
     SUB: tl.constexpr = BS // FK
     if PREFETCH:
-        words, sbyte = _step(kw_ptr, ks_ptr, bt_row, c_lo, 0, kk, g, w_off, FK, BS, NG)
+        words, sbyte = _fma_load(kw_ptr, ks_ptr, bt_row, c_lo, 0, kk, g, w_off, c_hi, 16 * NG, BS, 1, FK, NG, True)
         for i in tl.range(c_lo * SUB, c_hi * SUB, num_stages=1):
             nxt = tl.minimum(i + 1, c_hi * SUB - 1)
-            words_n, sbyte_n = _step(kw_ptr, ks_ptr, bt_row, nxt // SUB, nxt % SUB, kk, g, w_off, FK, BS, NG)
+            words_n, sbyte_n = _fma_load(kw_ptr, ks_ptr, bt_row, nxt // SUB, nxt % SUB, kk, g, w_off, c_hi, 16 * NG, BS,
+                                         1, FK, NG, True)
             acc ^= words ^ sbyte.to(tl.int32)[:, :, None]
             words = words_n
             sbyte = sbyte_n
     else:
         for i in tl.range(c_lo * SUB, c_hi * SUB, num_stages=STAGES):
-            words, sbyte = _step(kw_ptr, ks_ptr, bt_row, i // SUB, i % SUB, kk, g, w_off, FK, BS, NG)
+            words, sbyte = _fma_load(kw_ptr, ks_ptr, bt_row, i // SUB, i % SUB, kk, g, w_off, c_hi, 16 * NG, BS, 1, FK,
+                                     NG, False)
             acc ^= words ^ sbyte.to(tl.int32)[:, :, None]
     tl.store(out_ptr + r * tl.num_programs(1) + tl.program_id(1), tl.xor_sum(tl.reshape(acc, [FK * NG * 2]), 0))
 

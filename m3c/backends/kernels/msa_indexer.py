@@ -259,18 +259,27 @@ def _fma_pair(q_row, q_off, pos, valid, out_row):
 
 
 @triton.jit
-def _fma_load(kw_ptr, ks_ptr, bt_row, b0, kk, g, w_off, vis_hi, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr,
-              BL: tl.constexpr, NG: tl.constexpr):
-    """The code words [FK, NG, 2] and scale bytes [FK, NG] of the step (of whole blocks) starting at block b0; keys
-    of blocks at or past vis_hi read as zeros and are not loaded (the prefetch past the last step)."""
+def _fma_load(kw_ptr, ks_ptr, bt_row, b0, u, kk, g, w_off, vis_hi, D: tl.constexpr, BS: tl.constexpr,
+              NBT: tl.constexpr, BL: tl.constexpr, NG: tl.constexpr, MASK: tl.constexpr):
+    """The code words [FK, NG, 2] and scale bytes [FK, NG] of part u of the step starting at block b0. Keys of
+    blocks at or past vis_hi read as zeros and are not loaded; MASK False (one block a step, b0 < vis_hi known):
+    a scalar base address and unmasked loads."""
     blk = b0 + kk // BL
     ok = blk < vis_hi
-    if NBT == 1:
-        slot = tl.load(bt_row + b0, mask=b0 < vis_hi, other=0).to(tl.int64) * BS + kk
+    if NBT == 1:  # (part of) one block: a scalar table entry
+        if MASK:
+            phys = tl.load(bt_row + b0, mask=b0 < vis_hi, other=0)
+        else:
+            phys = tl.load(bt_row + b0)
     else:
-        slot = tl.load(bt_row + blk, mask=ok, other=0).to(tl.int64) * BS + kk % BL
-    words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off, mask=ok[:, None, None], other=0)
-    sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :], mask=ok[:, None], other=0)
+        phys = tl.load(bt_row + blk, mask=ok, other=0)
+    slot = phys.to(tl.int64) * BS + u * BL + kk % BL  # the key's slot in its block
+    if MASK:
+        words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off, mask=ok[:, None, None], other=0)
+        sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :], mask=ok[:, None], other=0)
+    else:
+        words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off)
+        sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :])
     return words, sbyte
 
 
@@ -309,7 +318,7 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
             pairs = pairs + (_fma_pair(q_row, q_off, pos, valid, out_ptr + (tok * G + i % G) * MB),)  # noqa: RUF005
     if FS == 0:  # register prefetch: a step's keys load while the step before computes (one step per block)
         tl.static_assert(SUB == 1, "register prefetch needs FK >= BS")
-        words_n, sbyte_n = _fma_load(kw_ptr, ks_ptr, bt_row, c_lo, kk, g, w_off, vis_hi, D, BS, NBT, BL, NG)
+        words_n, sbyte_n = _fma_load(kw_ptr, ks_ptr, bt_row, c_lo, 0, kk, g, w_off, vis_hi, D, BS, NBT, BL, NG, True)
     for b0 in tl.range(c_lo, vis_hi, NBT, num_stages=FS + (FS == 0)):  # FS > 1: Triton's cp.async pipelining
         bests = ()  # per pair: [FK] scores (masked: -inf), maxima over the block's steps so far
         for u in tl.static_range(SUB):
@@ -319,16 +328,10 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
             if FS == 0:
                 words = words_n
                 sbyte = sbyte_n
-                words_n, sbyte_n = _fma_load(kw_ptr, ks_ptr, bt_row, b0 + NBT, kk, g, w_off, vis_hi, D, BS, NBT, BL,
-                                             NG)
-            elif NBT == 1:  # (part of) one block: scalar base address, unmasked loads
-                slot = tl.load(bt_row + b0).to(tl.int64) * BS + kpos
-                words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off)
-                sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :])
-            else:
-                slot = tl.load(bt_row + blk, mask=ok, other=0).to(tl.int64) * BS + kpos
-                words = tl.load(kw_ptr + slot[:, None, None] * (D // 8) + w_off, mask=ok[:, None, None], other=0)
-                sbyte = tl.load(ks_ptr + slot[:, None] * NG + g[None, :], mask=ok[:, None], other=0)
+                words_n, sbyte_n = _fma_load(kw_ptr, ks_ptr, bt_row, b0 + NBT, 0, kk, g, w_off, vis_hi, D, BS, NBT, BL,
+                                             NG, True)
+            else:  # (part of) one block: unmasked; several blocks: masked past vis_hi
+                words, sbyte = _fma_load(kw_ptr, ks_ptr, bt_row, b0, u, kk, g, w_off, vis_hi, D, BS, NBT, BL, NG, NBT > 1)
             # word h of a group holds its elements 8h..8h+7, element 8h + k in nibble k (byte k // 2, low
             # nibble first)
             w0, w1 = tl.split(words)
@@ -398,13 +401,16 @@ def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok,
     jb = j // BS
     nb = tl.arange(0, NBT)
     q_off = tok * stride_qt + mg * stride_qg
-    q_full = tl.load(q_ptr + q_off[:, None] + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
-    q_even = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :], mask=row_ok[:, None], other=0.0)
-    q_odd = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :] + 1, mask=row_ok[:, None], other=0.0)
-    if UPCAST:  # Triton's CPU interpreter mis-multiplies bf16 dots; f32 gives the same exact products
-        q_full = q_full.to(tl.float32)
-        q_even = q_even.to(tl.float32)
-        q_odd = q_odd.to(tl.float32)
+    if DEQ == 0:  # q in element order (the keys are joined back into it)
+        q_full = tl.load(q_ptr + q_off[:, None] + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+        if UPCAST:  # Triton's CPU interpreter mis-multiplies bf16 dots; f32 gives the same exact products
+            q_full = q_full.to(tl.float32)
+    else:  # even / odd columns, against the low / high nibbles
+        q_even = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :], mask=row_ok[:, None], other=0.0)
+        q_odd = tl.load(q_ptr + q_off[:, None] + 2 * hc[None, :] + 1, mask=row_ok[:, None], other=0.0)
+        if UPCAST:
+            q_even = q_even.to(tl.float32)
+            q_odd = q_odd.to(tl.float32)
     if DEQ == 2:  # FP8 q: a power-of-two scale per (row, head) puts the row max in [128, 256)
         amax = tl.maximum(tl.max(tl.abs(q_even.to(tl.float32)), axis=1), tl.max(tl.abs(q_odd.to(tl.float32)), axis=1))
         ef = tl.minimum(tl.maximum((amax.to(tl.int32, bitcast=True) >> 23) & 255, 8), 254)
@@ -418,9 +424,6 @@ def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok,
     if DEQ == 2 and not UPCAST:
         q_even = q_even.to(tl.float8e4nv)  # exact: already on the E4M3 grid
         q_odd = q_odd.to(tl.float8e4nv)
-    undo = 128.0  # DEQ 0: the keys' 2^-7, undone on the block maxima (a positive power of two commutes with max)
-    if DEQ != 0:
-        undo = 1.0
     min_pos = tl.min(tl.where(row_ok, qpos, 2147483647))  # a step whose keys all lie at or before it needs no mask
     # Prefetch: a step's codes and scales are loaded one step ahead, its block-table entries two steps ahead,
     # so their latency hides behind the previous step's dequant and MMA (loads past vis_hi are masked off).
@@ -477,10 +480,10 @@ def _mma_tile(q_ptr, kd_ptr, ks_ptr, bt_row, out_row, stride_qt, stride_qg, tok,
         else:
             key_pos = blk * BS + j % BS
             best = _block_max(acc, (key_pos[None, :] <= qpos[:, None]) & ok[None, :], M, NBT, BS)
-        if DEQ == 2:
+        if DEQ == 0:  # the keys' 2^-7, undone on the block maxima (a positive power of two commutes with max)
+            best = best * 128.0
+        elif DEQ == 2:
             best = best * q_down[:, None]
-        else:
-            best = best * undo
         cols = b0 + nb
         tl.store(out_row[:, None] + cols[None, :], best, mask=row_ok[:, None] & (cols < vis_hi)[None, :])
         codes = codes_n
@@ -737,8 +740,7 @@ def indexer_specs(g: int, d: int, block_size: int, top_k: int, q_dtype: str = "b
     if block_size < 1 or block_size & (block_size - 1) or top_k < 1 or max_q_rows < 1 or g < 1:
         raise ShapeError(f"block_size={block_size} must be a power of two; top_k={top_k}, max_q_rows={max_q_rows} "
                          f"and index heads {g} must be >= 1")
-    decode_rows = sorted({1, max_q_rows})
-    return [*(_scores_spec(g, d, block_size, q_dtype, rows, False, deq, upcast) for rows in decode_rows),
+    return [*(_scores_spec(g, d, block_size, q_dtype, rows, False, deq, upcast) for rows in sorted({1, max_q_rows})),
             _scores_spec(g, d, block_size, q_dtype, _prefill_rows(g, prefill_m), True, "f32scale", upcast),
             *(_topk_spec(g, block_size, top_k, ch) for ch in TOPK_CH)]
 
