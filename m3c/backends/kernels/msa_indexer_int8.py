@@ -35,23 +35,22 @@ from m3c.backends.kernels.fp_codes import e2m1_nibble_tiny, pow2, slices8
 TWO_64 = tl.constexpr(1.8446744073709552e19)
 _ROUND = tl.constexpr(12582912.0)  # 1.5 × 2^23: (x + it) - it rounds |x| < 2^22 to the nearest integer, ties even
 
-# The signed 2·E2M1 bytes of a word half's 4 nibbles (selector register SEL: the nibbles in bits 0..15; MAG: the
-# same with sign bits cleared; SGN: the selector that gathers each nibble's sign bit from {w << 4, w} as a sign-
-# replicated byte): prmt of {0,1,2,3,4,6,8,12} reads |v| for a positive nibble and 0 for a negative one (its
-# set top selector bit replicates the table byte's zero sign), prmt of {0,-1,-2,-3,-4,-6,-8,-12} by MAG
-# reads -|v|, and the sign mask picks it for negative nibbles.
-_HALF = ("prmt.b32 p, t0, t1, SEL; prmt.b32 n, u0, u1, MAG; prmt.b32 m, a, $1W, SGN; and.b32 n, n, m; "
-         "or.b32 v, p, n; dp4a.s32.s32 h, v, QH, h; dp4a.s32.s32 d, v, QM, d; dp4a.s32.s32 l, v, QL, l; ")
+def _half(w: int, sel: str, mag: str, sgn: str, i: int) -> str:
+    """PTX for 4 nibbles of code word $w against q's quad i in each of the three parts ($(3 + i), $(7 + i),
+    $(11 + i)): the signed 2·E2M1 bytes, dotted into h, d, l. ``sel`` holds the nibbles in bits 0..15, ``mag`` the
+    same with sign bits cleared, ``sgn`` gathers each nibble's sign bit from {w << 4, w} as a sign-replicated byte:
+    prmt of {0,1,2,3,4,6,8,12} by ``sel`` reads |v| for a positive nibble and 0 for a negative one (its set top
+    selector bit replicates the table byte's zero sign), prmt of {0,-1,-2,-3,-4,-6,-8,-12} by ``mag`` reads -|v|,
+    and the sign mask picks it for negative nibbles."""
+    return (f"prmt.b32 p, t0, t1, {sel}; prmt.b32 n, u0, u1, {mag}; prmt.b32 m, a, ${w}, {sgn}; and.b32 n, n, m; "
+            f"or.b32 v, p, n; dp4a.s32.s32 h, v, ${3 + i}, h; dp4a.s32.s32 d, v, ${7 + i}, d; "
+            f"dp4a.s32.s32 l, v, ${11 + i}, l; ")
 
 
 def _word(w: int, i: int) -> str:
-    """PTX for code word $w (elements 8(w-1)..8(w-1)+7: quads i, i + 1) against part words $(3 + 4p + i)."""
-    lo = _HALF.replace("SEL", f"${w}").replace("MAG", "g").replace("SGN", "0xD9C8")
-    hi = _HALF.replace("SEL", "s").replace("MAG", "gs").replace("SGN", "0xFBEA")
-    pre = (f"and.b32 g, ${w}, 0x77777777; shl.b32 a, ${w}, 4; shr.b32 s, ${w}, 16; shr.b32 gs, g, 16; ")
-    return (pre + lo.replace("QH", f"${3 + i}").replace("QM", f"${7 + i}").replace("QL", f"${11 + i}")
-            + hi.replace("QH", f"${4 + i}").replace("QM", f"${8 + i}").replace("QL", f"${12 + i}")).replace(
-        "$1W", f"${w}")
+    """PTX for code word $w (8 elements: q quads i, i + 1)."""
+    return (f"and.b32 g, ${w}, 0x77777777; shl.b32 a, ${w}, 4; shr.b32 s, ${w}, 16; shr.b32 gs, g, 16; "
+            + _half(w, f"${w}", "g", "0xD9C8", i) + _half(w, "s", "gs", "0xFBEA", i + 1))
 
 
 # dp4a of the E2M1 values of two code words ($1, $2: a scale group's 16 elements) with three int8 parts of q
