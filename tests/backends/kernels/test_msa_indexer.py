@@ -154,34 +154,27 @@ DEQ_CASES = [
 
 
 @pytest.mark.parametrize("exact", [True, False])
-@pytest.mark.parametrize("deq", ["groupdot", "fp8", "fma", "int8"])
+@pytest.mark.parametrize("deq,prefetch", [("groupdot", False), ("fp8", False), ("fma", False), ("int8", False),
+                                          ("fma", True), ("int8", True)])
 @pytest.mark.parametrize("case", DEQ_CASES, ids=[f"d{c[0]}-bs{c[1]}-g{c[2]}" for c in DEQ_CASES])
-def test_decode_dequant_paths(case: tuple, deq: str, exact: bool, rng: torch.Generator) -> None:
+def test_decode_dequant_paths(case: tuple, deq: str, prefetch: bool, exact: bool, rng: torch.Generator,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Every decode dequant path: exact paths bit-exact on exact inputs; "fp8" equals the reference on
-    its E4M3-quantized q (exactly when q is on the E4M3 grid, as the exact inputs are)."""
+    its E4M3-quantized q (exactly when q is on the E4M3 grid, as the exact inputs are). ``prefetch``: the
+    CUDA-core paths with FMA_STAGES = 0 (the next step's keys prefetched into registers, steps of whole
+    blocks), including the prefetch past each chunk's last block (masked, never stored)."""
+    mi = _kernels()
     d, bs, g, lens, rows, top_k, q_dtype, max_rows = case
+    if prefetch:
+        monkeypatch.setattr(mi, "FMA_STAGES", 0)
+        monkeypatch.setattr(mi, "FMA_KEYS", max(64, bs))
+        spec = mi._scores_spec(g, d, bs, "fp32", 1, False, deq, True)
+        assert spec.constexprs["FS"] == 0 and spec.constexprs["FK"] >= bs
     b = _batch(lens, rows, bs, d, g, rng, exact=exact, q_dtype=q_dtype)
-    assert not _kernels().is_prefill(b["index_q"].shape[0], len(lens), max_rows)
+    assert not mi.is_prefill(b["index_q"].shape[0], len(lens), max_rows)
     _check(b, bs, top_k, exact=exact, max_q_rows=max_rows, deq=deq, chunk_blocks=3)
     if exact and deq == "fp8":  # exact inputs lose nothing to the quantization
         assert torch.equal(_fp8_q(b["index_q"]), b["index_q"].float())
-
-
-@pytest.mark.parametrize("exact", [True, False])
-@pytest.mark.parametrize("deq", ["fma", "int8"])
-@pytest.mark.parametrize("case", DEQ_CASES, ids=[f"d{c[0]}-bs{c[1]}-g{c[2]}" for c in DEQ_CASES])
-def test_register_prefetch_steps(case: tuple, deq: str, exact: bool, rng: torch.Generator,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA-core paths with FMA_STAGES = 0 (the next step's keys prefetched into registers, steps of whole
-    blocks): the same results, including the prefetch past each chunk's last block (masked, never stored)."""
-    mi = _kernels()
-    d, bs, g, lens, rows, top_k, q_dtype, max_rows = case
-    monkeypatch.setattr(mi, "FMA_STAGES", 0)
-    monkeypatch.setattr(mi, "FMA_KEYS", max(64, bs))
-    spec = mi._scores_spec(g, d, bs, "fp32", 1, False, deq, True)
-    assert spec.constexprs["FS"] == 0 and spec.constexprs["FK"] >= bs
-    b = _batch(lens, rows, bs, d, g, rng, exact=exact, q_dtype=q_dtype)
-    _check(b, bs, top_k, exact=exact, max_q_rows=max_rows, deq=deq, chunk_blocks=3)
 
 
 def _scaled_rows(q: torch.Tensor, exps: tuple[float, ...]) -> torch.Tensor:
