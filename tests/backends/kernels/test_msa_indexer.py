@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 import triton
+from ptx_subset import run_ptx
 
 from m3c.backends.triton_aot import KernelSpec
 from m3c.errors import ShapeError
@@ -263,50 +264,8 @@ def test_bf16_nibble_placement_is_exact() -> None:
 
 
 def _run_ptx(asm: str, args: list[int]) -> int:
-    """A small interpreter for the PTX subset of the "int8" path's inline assembly (32-bit registers; $0 the
-    output, $1.. the inputs), written from the PTX ISA's definitions of prmt (default mode: a selector nibble
-    with its top bit set replicates the chosen byte's sign) and dp4a (signed bytes)."""
-    m32 = 0xFFFFFFFF
-    reg = {f"${i + 1}": a & m32 for i, a in enumerate(args)}
-
-    def val(x: str) -> int:
-        return reg[x] if x in reg else int(x, 0) & m32
-
-    def sbyte(x: int, i: int) -> int:
-        b = (x >> (8 * i)) & 255
-        return b - 256 if b & 128 else b
-
-    for ins in asm.strip("{} ").split(";"):
-        parts = ins.replace(",", " ").split()
-        if not parts or parts[0] == ".reg":
-            continue
-        op, d, *src = parts
-        a = [val(x) for x in src]
-        if op == "mov.b32":
-            r = a[0]
-        elif op in ("and.b32", "or.b32", "xor.b32"):
-            r = {"and.b32": a[0] & a[1], "or.b32": a[0] | a[1], "xor.b32": a[0] ^ a[1]}[op]
-        elif op in ("shl.b32", "shr.b32"):
-            r = (a[0] << a[1]) if op == "shl.b32" else (a[0] >> a[1])
-        elif op == "prmt.b32":
-            pool = a[0] | (a[1] << 32)
-            r = 0
-            for i in range(4):
-                sel = (a[2] >> (4 * i)) & 15
-                byte = (pool >> (8 * (sel & 7))) & 255
-                if sel & 8:
-                    byte = 255 if byte & 128 else 0
-                r |= byte << (8 * i)
-        elif op == "dp4a.s32.s32":
-            r = a[2] + sum(sbyte(a[0], i) * sbyte(a[1], i) for i in range(4))
-        elif op == "sub.s32":
-            r = a[0] - a[1]
-        elif op == "mad.lo.s32":
-            r = a[0] * a[1] + a[2]
-        else:
-            raise AssertionError(f"unexpected PTX op {op!r}")
-        reg[d] = r & m32
-    out = reg["$0"]
+    """The "int8" path's one output register ($0, signed) for inputs $1.. (see ptx_subset.run_ptx)."""
+    out = run_ptx(asm, args, 1)[0]
     return out - (1 << 32) if out >> 31 else out
 
 
