@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points, MSA quick grid, traces (~250 s)
-#   bash benchmarks/device_check.sh sweep        # decode indexer loads (fma / int8) + MoE GEMV prefetch depth (~330 s)
+#   bash benchmarks/device_check.sh sweep        # decode indexer warps (fma / int8) + MoE decode tiles (~300 s)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -40,19 +40,17 @@ bench() {
   grep -E '^ +[0-9]' "$OUT/trace_attn1m.txt" | head -6; grep -E '^ +[0-9]' "$OUT/trace_moe1.txt" | head -8
 }
 
-sweep() {  # the decode indexer's key loading: cp.async stages (default) against register prefetch (FMA_STAGES = 0)
+sweep() {  # the decode indexer's warps per program (fma / int8), the MoE decode tilings (GEMV / swap) with kernel times
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 131072 1048576 --batches 1 8"
-  for cfg in "64 4 3" "128 4 0" "128 8 0" "64 2 3" "128 16 0"; do
+  for cfg in "64 4 3" "64 2 3"; do
     set -- $cfg
     timeout 70 $b --deq fma int8 --fma-keys $1 --fma-warps $2 --fma-stages $3 > "$OUT/idx_$1_$2_$3.txt" 2>&1
   done; mark indexer
-  timeout 60 python benchmarks/bench_indexer_stream.py --batches 8 > "$OUT/stream.txt" 2>&1; mark stream
-  timeout 120 python benchmarks/bench_moe_gemv_tiles.py --tokens 1 4 > "$OUT/moe_gemv.txt" 2>&1; mark gemv
-  for cfg in "64 4 3" "128 4 0" "128 8 0" "64 2 3" "128 16 0"; do
+  timeout 150 python benchmarks/bench_moe_gemv_tiles.py --tokens 1 4 16 --kernels > "$OUT/moe_gemv.txt" 2>&1; mark gemv
+  for cfg in "64 4 3" "64 2 3"; do
     set -- $cfg; echo "keys $1, warps $2, stages $3:"; grep -E '^ decode' "$OUT/idx_$1_$2_$3.txt"
   done
-  tail -7 "$OUT/stream.txt"
-  grep -E '^ +[0-9]+ (gemv|mma)' "$OUT/moe_gemv.txt"
+  grep -E '^ +[0-9]+ (gemv|swap|mma)' "$OUT/moe_gemv.txt"
 }
 
 for step in "$@"; do

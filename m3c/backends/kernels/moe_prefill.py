@@ -46,12 +46,19 @@ accumulators [BN, BK/16, 2, 8] (one FFMA per weight and row, fp-contraction on),
 loop. Offline sm_90a SASS (Triton 3.9): ~7.2 instructions per weight in FC1's NVFP4 loop (3 integer,
 FMUL, FFMA, the rest loads and a scale-layout exchange through shared memory). ``Tiles.pipe`` > 1 lets
 Triton's pipeliner stream the bytes through shared memory instead (cp.async; measured 30-60% slower).
-``Tiles.ahead`` = 2 keeps two K steps of bytes in flight in registers: the default tiles hold ~9 KB in flight
-per SM (FC1: 4 programs of 125 registers × 2.3 KB a step; FC2: 8 × 1.15 KB), which at ~1 µs of loaded memory
-latency caps them near the 22-25% of the read bandwidth they reach on the H200 (Little's law); two steps
-double it for 3-8 more registers (not yet measured: ``bench_moe_gemv_tiles.py``). A batch
-is summed in a different order by the GEMV tiles (T <= 4) than by the tensor-core tiles: the same tokens
+Nsight Compute at T = 1 (H200, benchmarks/RESULTS.md): FC1 110 µs at 20% of DRAM bandwidth, 1.31 waves of
+programs (5 resident per SM at 96 registers), 39% issue-busy, long-scoreboard stalls; ~8.5 instructions per
+weight over the launch. Two K steps of bytes in registers and 16-byte "wide" loads were measured
+(sessions 11-12), did not help and were removed. A batch
+is summed in a different order by the GEMV tiles (T <= 3) than by the tensor-core tiles: the same tokens
 in batches of different sizes differ by float32 / bf16 rounding (~5e-4 relative in bf16), not more.
+
+Swap tiles (``SWAP`` constexpr; GEMV_MAX_TOKENS < T <= SWAP_MAX_TOKENS): the same four steps with
+:mod:`m3c.backends.kernels.moe_swap`'s weight-stationary tensor-core tiles (BN weight rows × 16 tokens of one
+expert, NVFP4 decoded to bf16 by inline PTX): 7-10% faster than the GEMV at T = 4 and 11-15% faster than the
+"small" tiles at T = 16 on the H200, slower at T = 1 and 64. Like every decode tiling here they reach only
+20-26% of the byte floor (Nsight: neither DRAM nor issue saturated; few warps per scheduler waiting on each
+step's load -> decode -> MMA chain).
 
 FLOP / byte floor (m3.1-small: H = 6144, I = S = 1536, E = 64, k = 8, P = T·k pairs):
 FLOPs = 6·P·H·I (routed) + 6·T·H·S (shared) = 54·T·H·I: 2.09 TFLOP at T = 4096 -> ~2.8 ms at
@@ -76,15 +83,15 @@ import triton.language as tl
 from m3c.backends.kernels.fp_codes import (
     TWO_120,
     e2m1_nibble_tiny,
-    e2m1_tiny,
     e4m3_big,
     e4m3_tiny,
     e8m0_to_f32,
     to_stored,
 )
 from m3c.backends.kernels.host import derived, interpreting
-from m3c.backends.kernels.moe_gemv_wide import fc1_wide, fc2_wide
+from m3c.backends.kernels.moe_operands import dot_operand, w_tile
 from m3c.backends.kernels.moe_routing import expert_permutation
+from m3c.backends.kernels.moe_swap import fc1_swap, fc2_swap
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -97,42 +104,6 @@ POISON_WORKSPACES = False  # tests: fill act / y with NaN before the launches, s
 # ---------------------------------------------------------------------------------------------
 # Device code
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _w_tile(d_ptr, s_ptr, rows, k0, K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            DOT_F32: tl.constexpr):
-    """Weight rows `rows` (int64 [BN]) × columns k0..k0+BK as the dot operand [BN, BK].
-
-    FMT 2 (NVFP4) comes × 2^-7 and without its per-row tensor scale (see `_row_mul`); FMT 1 (MXFP8)
-    and FMT 0 (bf16) are exact values. bf16 dots get bf16 (exact for NVFP4 and MXFP8 products).
-    """
-    if FMT == 2:
-        b = tl.load(d_ptr + rows[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BK // 2))[None, :]).to(tl.int32)
-        sb = tl.load(s_ptr + rows[:, None] * (K // 16) + (k0 // 16 + tl.arange(0, BK // 16))[None, :])
-        sc = e4m3_big(sb.to(tl.int32))[:, :, None]
-        lo = tl.reshape(tl.reshape(e2m1_tiny(b, 0), [BN, BK // 16, 8]) * sc, [BN, BK // 2])
-        hi = tl.reshape(tl.reshape(e2m1_tiny(b, 4), [BN, BK // 16, 8]) * sc, [BN, BK // 2])
-        w = tl.reshape(tl.join(lo, hi), [BN, BK])  # element 2i: low nibble, 2i + 1: high nibble
-    elif FMT == 1:
-        b = tl.load(d_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :]).to(tl.int32)
-        v = e4m3_tiny(b) * TWO_120
-        sb = tl.load(s_ptr + rows[:, None] * (K // 32) + (k0 // 32 + tl.arange(0, BK // 32))[None, :])
-        s = e8m0_to_f32(sb.to(tl.int32))
-        w = tl.reshape(tl.reshape(v, [BN, BK // 32, 32]) * s[:, :, None], [BN, BK])
-    else:
-        w = tl.load(d_ptr + rows[:, None] * K + (k0 + tl.arange(0, BK))[None, :])
-    return _dot_operand(w, DOT_F32)
-
-
-@triton.jit
-def _dot_operand(v, DOT_F32: tl.constexpr):
-    """v in the dots' operand dtype: float32 (IEEE dots) or bf16 (tensor-core dots)."""
-    if DOT_F32:
-        out = v.to(tl.float32)
-    else:
-        out = v.to(tl.bfloat16)
-    return out
 
 
 @triton.jit
@@ -156,7 +127,7 @@ def _dot(a, w, acc, DOT_F32: tl.constexpr):
 @triton.jit
 def _a_tile(row_ptrs, cols, valid, DOT_F32: tl.constexpr):
     """Activation rows (pointers [BM, 1]) × columns `cols` as the dot's A operand (float32 or bf16); 0 past T."""
-    return _dot_operand(tl.load(row_ptrs + cols[None, :], mask=valid[:, None], other=0.0), DOT_F32)
+    return dot_operand(tl.load(row_ptrs + cols[None, :], mask=valid[:, None], other=0.0), DOT_F32)
 
 
 @triton.jit
@@ -172,9 +143,9 @@ def _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
         xt = _a_tile(xrow, k0 + kk, valid, DOT_F32)
-        wg = _w_tile(wd_ptr, ws_ptr, rg, k0, H, FMT, BN, BK, DOT_F32)
+        wg = w_tile(wd_ptr, ws_ptr, rg, k0, H, FMT, BN, BK, DOT_F32)
         acc_g = _dot(xt, wg, acc_g, DOT_F32)
-        wu = _w_tile(wd_ptr, ws_ptr, ru, k0, H, FMT, BN, BK, DOT_F32)
+        wu = w_tile(wd_ptr, ws_ptr, ru, k0, H, FMT, BN, BK, DOT_F32)
         acc_u = _dot(xt, wu, acc_u, DOT_F32)
     g = acc_g * _row_mul(wg_ptr, rg, FMT)[None, :]
     u = acc_u * _row_mul(wg_ptr, ru, FMT)[None, :]
@@ -195,7 +166,7 @@ def _fc2_tile(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         at = _a_tile(arow, k0 + kk, valid, DOT_F32)
-        w = _w_tile(wd_ptr, ws_ptr, rw, k0, K, FMT, BN, BK, DOT_F32)
+        w = w_tile(wd_ptr, ws_ptr, rw, k0, K, FMT, BN, BK, DOT_F32)
         acc = _dot(at, w, acc, DOT_F32)
     acc = acc * _row_mul(wg_ptr, rw, FMT)[None, :] * wt[:, None]
     cols = n0 + tl.arange(0, BN)
@@ -336,7 +307,7 @@ def _gemv_fits(BM: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, N: tl.conste
 @triton.jit
 def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_rows, H: tl.constexpr,
               N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              PIPE: tl.constexpr, AHEAD: tl.constexpr):
+              PIPE: tl.constexpr):
     """`_fc1_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
     _gemv_fits(BM, H, BK, N, BN)
     G: tl.constexpr = BK // 16
@@ -351,23 +322,16 @@ def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
             ud, us = _gemv_load(wd_ptr, ws_ptr, ru, k0, H, FMT, G)
             g0, u0, g1, u1, g2, u2, g3, u3 = _fc1_rows_step(g0, u0, g1, u1, g2, u2, g3, u3, _gemv_w(gd, gs, FMT),
                                                             _gemv_w(ud, us, FMT), x0, x1, x2, x3, k0, BM, G)
-    else:  # the bytes of the next AHEAD steps in flight in registers (the last steps re-load the last: harmless)
+    else:  # the next step's bytes in flight in registers (the last step re-loads the last: harmless)
         gd, gs = _gemv_load(wd_ptr, ws_ptr, rg, 0, H, FMT, G)
         ud, us = _gemv_load(wd_ptr, ws_ptr, ru, 0, H, FMT, G)
-        if AHEAD == 2:
-            gd1, gs1 = _gemv_load(wd_ptr, ws_ptr, rg, tl.minimum(BK, H - BK), H, FMT, G)
-            ud1, us1 = _gemv_load(wd_ptr, ws_ptr, ru, tl.minimum(BK, H - BK), H, FMT, G)
         for k0 in range(0, H, BK):
-            kn = tl.minimum(k0 + AHEAD * BK, H - BK)
+            kn = tl.minimum(k0 + BK, H - BK)
             gd_n, gs_n = _gemv_load(wd_ptr, ws_ptr, rg, kn, H, FMT, G)
             ud_n, us_n = _gemv_load(wd_ptr, ws_ptr, ru, kn, H, FMT, G)
             g0, u0, g1, u1, g2, u2, g3, u3 = _fc1_rows_step(g0, u0, g1, u1, g2, u2, g3, u3, _gemv_w(gd, gs, FMT),
                                                             _gemv_w(ud, us, FMT), x0, x1, x2, x3, k0, BM, G)
-            if AHEAD == 2:
-                gd, gs, ud, us = gd1, gs1, ud1, us1
-                gd1, gs1, ud1, us1 = gd_n, gs_n, ud_n, us_n
-            else:
-                gd, gs, ud, us = gd_n, gs_n, ud_n, us_n
+            gd, gs, ud, us = gd_n, gs_n, ud_n, us_n
     mg = _row_mul(wg_ptr, rg, FMT)
     mu = _row_mul(wg_ptr, ru, FMT)
     cols = n0 + tl.arange(0, BN)
@@ -397,7 +361,7 @@ def _silu_mul_row(g, u, mg, mu, out_ptr, orow, ok, cols, N: tl.constexpr):
 @triton.jit
 def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, yrows, K: tl.constexpr,
               H: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              PIPE: tl.constexpr, AHEAD: tl.constexpr):
+              PIPE: tl.constexpr):
     """`_fc2_tile` for BM <= 4 rows: each weight tile decoded once, FMAs for every row (no tensor cores)."""
     _gemv_fits(BM, K, BK, H, BN)
     G: tl.constexpr = BK // 16
@@ -409,18 +373,12 @@ def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
         for k0 in tl.range(0, K, BK, num_stages=PIPE):
             wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, k0, K, FMT, G)
             c0, c1, c2, c3 = _fc2_rows_step(c0, c1, c2, c3, _gemv_w(wd, ws, FMT), a0, a1, a2, a3, k0, BM, G)
-    else:  # the bytes of the next AHEAD steps in flight in registers (the last steps re-load the last: harmless)
+    else:  # the next step's bytes in flight in registers (the last step re-loads the last: harmless)
         wd, ws = _gemv_load(wd_ptr, ws_ptr, rw, 0, K, FMT, G)
-        if AHEAD == 2:
-            wd1, ws1 = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(BK, K - BK), K, FMT, G)
         for k0 in range(0, K, BK):
-            wd_n, ws_n = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(k0 + AHEAD * BK, K - BK), K, FMT, G)
+            wd_n, ws_n = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(k0 + BK, K - BK), K, FMT, G)
             c0, c1, c2, c3 = _fc2_rows_step(c0, c1, c2, c3, _gemv_w(wd, ws, FMT), a0, a1, a2, a3, k0, BM, G)
-            if AHEAD == 2:
-                wd, ws = wd1, ws1
-                wd1, ws1 = wd_n, ws_n
-            else:
-                wd, ws = wd_n, ws_n
+            wd, ws = wd_n, ws_n
     m = _row_mul(wg_ptr, rw, FMT)
     cols = n0 + tl.arange(0, BN)
     _scaled_row(c0, m, _lane(wt, 0), y_ptr, _lane(yrows, 0), ok0, cols, H)
@@ -463,18 +421,20 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, s
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
-                   PIPE: tl.constexpr, AHEAD: tl.constexpr, WBK: tl.constexpr):
-    """FC1 + SiLU·up of one row tile × BN intermediate columns: shared tiles first, then routed tiles (WBK > 0:
-    NVFP4 routed GEMV tiles take the wide path, :mod:`m3c.backends.kernels.moe_gemv_wide`)."""
+                   PIPE: tl.constexpr, SWAP: tl.constexpr):
+    """FC1 + SiLU·up of one row tile × BN intermediate columns: shared tiles first, then routed tiles (SWAP: the
+    weight-stationary tiles of :mod:`m3c.backends.kernels.moe_swap`, GEMV: CUDA-core tiles, else grouped GEMM)."""
     pid_m = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     m = tl.arange(0, BM)
     if HAS_SHARED:  # noqa: SIM102 (a constexpr guard: the shared path is not compiled without it)
         if (pid_m < n_sh) & (n0 < S):
             tok = pid_m * BM + m
-            if GEMV:
-                _fc1_gemv(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK, PIPE,
-                          AHEAD)
+            if SWAP:
+                fc1_swap(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK, DOT_F32,
+                         PIPE)
+            elif GEMV:
+                _fc1_gemv(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK, PIPE)
             else:
                 _fc1_tile(x_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, sact_ptr, tok, H, S, SFMT, BM, BN, BK,
                           DOT_F32)
@@ -485,13 +445,12 @@ def moe_fc1_kernel(x_ptr, order_ptr, offs_ptr, wd_ptr, ws_ptr, wg_ptr, sd_ptr, s
             valid = p < hi
             pair = tl.load(order_ptr + p, mask=valid, other=0)
             tok = (pair // TOPK).to(tl.int32)
-            if GEMV and WBK > 0 and FMT == 2:
-                x_row, ok = _row_ptr(x_ptr, tok, valid.to(tl.int32), 0, H)
-                fc1_wide(x_row, ok, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, _lane(p, 0), H,
-                         INTER, BM, BN, WBK)
+            if SWAP:
+                fc1_swap(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
+                         INTER, FMT, BM, BN, BK, DOT_F32, PIPE)
             elif GEMV:
                 _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
-                          INTER, FMT, BM, BN, BK, PIPE, AHEAD)
+                          INTER, FMT, BM, BN, BK, PIPE)
             else:
                 _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * (2 * INTER), n0, act_ptr, p, H,
                           INTER, FMT, BM, BN, BK, DOT_F32)
@@ -503,8 +462,8 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_p
                    H: tl.constexpr, INTER: tl.constexpr, S: tl.constexpr, TOPK: tl.constexpr, E: tl.constexpr,
                    EP: tl.constexpr, FMT: tl.constexpr, SFMT: tl.constexpr, HAS_SHARED: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr,
-                   PIPE: tl.constexpr, AHEAD: tl.constexpr, WBK: tl.constexpr):
-    """FC2 × routing weight of one row tile × BN hidden columns into y [T, TOPK + HAS_SHARED, H] (WBK: as FC1)."""
+                   PIPE: tl.constexpr, SWAP: tl.constexpr):
+    """FC2 × routing weight of one row tile × BN hidden columns into y [T, TOPK + HAS_SHARED, H] (SWAP, GEMV: as FC1)."""
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     pid_m = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -513,9 +472,12 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_p
         if pid_m < n_sh:
             tok = pid_m * BM + m
             one = tl.full([BM], 1.0, tl.float32)
-            if GEMV:
+            if SWAP:
+                fc2_swap(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
+                         SFMT, BM, BN, BK, DOT_F32, PIPE)
+            elif GEMV:
                 _fc2_gemv(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
-                          SFMT, BM, BN, BK, PIPE, AHEAD)
+                          SFMT, BM, BN, BK, PIPE)
             else:
                 _fc2_tile(sact_ptr, tok, tok < T, sd_ptr, ss_ptr, ss_ptr, 0, n0, one, y_ptr, tok * SLOTS + TOPK, S, H,
                           SFMT, BM, BN, BK, DOT_F32)
@@ -527,13 +489,12 @@ def moe_fc2_kernel(act_ptr, sact_ptr, order_ptr, wts_ptr, offs_ptr, wd_ptr, ws_p
             pair = tl.load(order_ptr + p, mask=valid, other=0).to(tl.int32)
             wt = tl.load(wts_ptr + pair, mask=valid, other=0.0)
             yrows = (pair // TOPK) * SLOTS + pair % TOPK
-            if GEMV and WBK > 0 and FMT == 2:
-                a_row, ok = _row_ptr(act_ptr, p, valid.to(tl.int32), 0, INTER)
-                fc2_wide(a_row, ok, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, _lane(wt, 0), y_ptr, _lane(yrows, 0),
-                         INTER, H, BM, BN, WBK)
+            if SWAP:
+                fc2_swap(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
+                         FMT, BM, BN, BK, DOT_F32, PIPE)
             elif GEMV:
                 _fc2_gemv(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
-                          FMT, BM, BN, BK, PIPE, AHEAD)
+                          FMT, BM, BN, BK, PIPE)
             else:
                 _fc2_tile(act_ptr, p, valid, wd_ptr, ws_ptr, wg_ptr, e.to(tl.int64) * H, n0, wt, y_ptr, yrows, INTER, H,
                           FMT, BM, BN, BK, DOT_F32)
@@ -593,8 +554,7 @@ class Tiles:
     cwarps: int = 4
     gemv: bool = False  # CUDA-core FMA tiles (bm <= 4 rows: weights decoded once per program, no MMA)
     pipe: int = 0  # GEMV tiles: 0 = next step's bytes prefetched in registers; n > 1 = tl.range(num_stages=n)
-    wide_bk: int = 0  # GEMV tiles, bm 1, NVFP4 routed weights: > 0 = the wide path (16-byte loads, K step wide_bk)
-    ahead: int = 1  # GEMV tiles, pipe 0: K steps of bytes in flight in registers (1 or 2)
+    swap: bool = False  # weight-stationary tensor-core tiles (decode): bn weight rows × bm tokens, moe_swap
 
 
 def _divides(options: tuple[int, ...], *dims: int) -> int:
@@ -604,8 +564,14 @@ def _divides(options: tuple[int, ...], *dims: int) -> int:
 
 def _tile_options(lay: Layout, bucket: str, interp: bool) -> Tiles:
     """Tiles for a layout and a token bucket ("gemv1" / "gemv2" / "gemv4": FMA tiles of 1 / 2 / 4 rows — the
-    dispatch uses "gemv1", see `BUCKETS` —, "small": few rows per expert, "large")."""
+    dispatch uses "gemv1", see `BUCKETS` —, "swap": weight-stationary tensor-core tiles, "small": few rows per
+    expert, "large")."""
     h, i, s = lay.hidden, lay.inter, lay.shared_inter
+    if bucket == "swap":  # weight-stationary tensor-core tiles: bn weight rows × 16 tokens of one expert
+        if interp:
+            return Tiles(16, 16, 16, 32, 4, 1, 16, _divides((64, 32), h), 4, swap=True)
+        return Tiles(16, _divides((64, 32), i, s), _divides((64, 32), h), _divides((128, 64, 32), h, i, s), 4, 1, 16,
+                     _divides((256, 128, 64, 32), h), 4, swap=True, pipe=3)
     if bucket.startswith("gemv"):  # "gemv<rows per tile>"
         bm = int(bucket[4:])
         if bm not in (1, 2, 4):
@@ -626,12 +592,16 @@ def _tile_options(lay: Layout, bucket: str, interp: bool) -> Tiles:
     return Tiles(128, _divides((64, 32, 16), i, s), _divides((128, 64, 32, 16), h), bk, 8, 3, 16, bh, 4)
 
 
-GEMV_MAX_TOKENS = 4
-"""Batches of at most this many tokens run the GEMV tiles with one row per tile ("gemv1"); larger ones the
-tensor-core tiles. Measured on the H200 (m3.1-small, bf16, CUDA graphs, benchmarks/RESULTS.md): T = 1
-172 µs vs 229 µs for the "small" tiles, T = 4 516 vs 568 µs; tiles of 2 or 4 rows lost to 1-row tiles at
-T = 4 (598 / 818 µs), and at T = 16 the tensor-core tiles win."""
-BUCKETS = ("gemv1", "small", "large")
+GEMV_MAX_TOKENS = 3
+"""Batches of at most this many tokens run the GEMV tiles with one row per tile ("gemv1"). Measured on the H200
+(m3.1-small, bf16, CUDA graphs, benchmarks/RESULTS.md): T = 1 172-185 µs vs 204-223 µs for the swap tiles and
+229 µs for the "small" tiles; at T = 4 the swap tiles won (474 vs 506 µs). Tiles of 2 or 4 rows lost to 1-row
+tiles at T = 4 (598 / 818 µs)."""
+SWAP_MAX_TOKENS = 16
+"""Batches of GEMV_MAX_TOKENS + 1 .. this many tokens run the weight-stationary tensor-core tiles ("swap",
+:mod:`m3c.backends.kernels.moe_swap`): T = 16 838-870 µs vs 938-1025 for the "small" tiles (same runs); at T =
+64 the "small" tiles win (1115 vs 1247-1319)."""
+BUCKETS = ("gemv1", "swap", "small", "large")
 """Token buckets the dispatch uses (``_tile_options`` also takes "gemv2" / "gemv4": FMA tiles of 2 / 4 rows)."""
 
 
@@ -639,6 +609,8 @@ def _bucket(lay: Layout, t: int) -> str:
     """Token bucket of a batch of t tokens (a host-side size: no synchronization)."""
     if t <= GEMV_MAX_TOKENS:
         return "gemv1"
+    if t <= SWAP_MAX_TOKENS:
+        return "swap"
     return "small" if t * lay.top_k <= 96 * lay.experts else "large"
 
 
@@ -658,7 +630,7 @@ def _specs(lay: Layout, tiles: Tiles, upcast: bool) -> tuple[KernelSpec, ...]:
     common = dict(H=lay.hidden, INTER=lay.inter, S=lay.shared_inter if has_sh else 0, TOPK=lay.top_k, E=lay.experts,
                   EP=triton.next_power_of_2(lay.experts), FMT=FMT_CODES[lay.w13_fmt],
                   SFMT=FMT_CODES[sfmt] if sfmt else 0, HAS_SHARED=has_sh, BM=tiles.bm, BK=tiles.bk, DOT_F32=dot_f32,
-                  GEMV=tiles.gemv, PIPE=tiles.pipe, AHEAD=tiles.ahead, WBK=tiles.wide_bk)
+                  GEMV=tiles.gemv, PIPE=tiles.pipe, SWAP=tiles.swap)
     w = {"wd_ptr": _ptr(lay.w13_fmt, True), "ws_ptr": _ptr(lay.w13_fmt, False), "wg_ptr": "*fp32",
          "sd_ptr": _ptr(sfmt, True), "ss_ptr": _ptr(sfmt, False)}
     t1 = {"x_ptr": act, "order_ptr": "*i32", "offs_ptr": "*i32", **w, "act_ptr": act,
@@ -832,16 +804,16 @@ def _check_tiles(lay: Layout, tiles: Tiles) -> None:
            for dim in dims if dim and dim % v]
     if tiles.gemv and tiles.bm not in (1, 2, 4):
         bad.append(f"GEMV tiles hold 1, 2 or 4 rows, not bm={tiles.bm}")
-    if tiles.pipe and not tiles.gemv:
-        bad.append("pipe applies to GEMV tiles only (the tensor-core tiles pipeline through `stages`)")
-    if tiles.ahead not in (1, 2):
-        bad.append(f"ahead={tiles.ahead}: GEMV tiles keep 1 or 2 K steps of bytes in flight")
-    if tiles.wide_bk and lay.w13_fmt == "nvfp4":  # other routed formats ignore it (the default GEMV tiles run)
-        if not tiles.gemv or tiles.bm != 1:
-            bad.append(f"wide_bk needs GEMV tiles of one row (gemv={tiles.gemv}, bm={tiles.bm})")
-        if tiles.wide_bk < 32 or tiles.wide_bk & (tiles.wide_bk - 1):
-            bad.append(f"wide_bk={tiles.wide_bk} must be a power of two >= 32 (16-byte word groups)")
-        bad += [f"wide_bk={tiles.wide_bk} does not divide {dim}" for dim in (h, i) if dim % tiles.wide_bk]
+    if tiles.pipe and not (tiles.gemv or tiles.swap):
+        bad.append("pipe applies to GEMV and swap tiles only (the tensor-core tiles pipeline through `stages`)")
+    if tiles.swap:
+        if tiles.gemv:
+            bad.append("a tiling is either gemv or swap, not both")
+        if tiles.bm < 16 or tiles.bm & (tiles.bm - 1):
+            bad.append(f"swap tiles take a power of two >= 16 tokens (the MMA's N), not bm={tiles.bm}")
+        if min(tiles.bn1, tiles.bn2) < 16 or tiles.bk < 32:
+            bad.append(f"swap tiles need bn1, bn2 >= 16 and bk >= 32 (MMA shapes), got {tiles.bn1}, {tiles.bn2}, "
+                       f"{tiles.bk}")
     if bad:
         raise ShapeError(f"tiling {tiles} does not fit hidden={h}, inter={i}, shared_inter={s}: " + "; ".join(bad))
 

@@ -163,22 +163,15 @@ GEMV_CASES = {
 }
 
 
-@pytest.mark.parametrize("bucket,pipe,wide,ahead", [("gemv1", 0, 0, 1), ("gemv2", 0, 0, 1), ("gemv4", 0, 0, 1),
-                                                   ("gemv1", 3, 0, 1), ("gemv4", 2, 0, 1), ("gemv1", 0, 32, 1),
-                                                   ("gemv1", 0, 64, 1), ("gemv1", 0, 0, 2), ("gemv2", 0, 0, 2)])
-@pytest.mark.parametrize("case", list(GEMV_CASES))
-def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, wide: int, ahead: int,
-                                    rng: torch.Generator) -> None:
-    """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, bytes prefetched in registers 1 or 2 K steps ahead
-    (``ahead``) or pipelined by Triton (``pipe``), or the wide path (``wide``: its K step; NVFP4 routed weights
-    only — the other formats' cases
-    run the default tiles with it set), in every weight format: experts holding more rows than a tile, tiles
-    with fewer rows than their size, and the shared expert's partial last tile all match."""
-    t, h, inter, e, k, s, fmt, sfmt, act = GEMV_CASES[case]
-    mp = _mp()
+def _one_expert_problem(case: str, rng: torch.Generator, t: int | None = None):
+    """A GEMV_CASES problem where one expert takes every token's first slot (more rows than a 1- or 2-row GEMV
+    tile, or a 16-row swap tile at t > 16, holds) and, at t > 1, an id outside [0, E) in the last row; returns
+    the problem on the test device, its reference and the activation dtype."""
+    t0, h, inter, e, k, s, fmt, sfmt, act = GEMV_CASES[case]
+    t = t or t0
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, fmt, sfmt, rng)
-    ids[:, 0] = ids[0, 0]  # one expert takes every token: more rows than a gemv1 / gemv2 tile holds
+    ids[:, 0] = ids[0, 0]
     ids[:, 1:] = torch.where(ids[:, 1:] == ids[0, 0], (ids[0, 0] + 1) % e, ids[:, 1:])
     x = x.to(act).float()
     keep = wts.clone()
@@ -189,22 +182,45 @@ def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, wide: int
     else:
         bad = ids
     ref = _reference(x, ids, keep, w13, w2, sh13, sh2, fmt, sfmt, stored=act)
-    ids = bad
-    x, ids, wts, w13, w2, sh13, sh2 = (_to(v, dev) for v in (x, ids, wts, w13, w2, sh13, sh2))
-    xa = x.to(act)
-    lay = mp._layout(xa, ids, wts, w13, w2, sh13, sh2)
-    tiles = dataclasses.replace(mp._tile_options(lay, bucket, mp.interpreting()), pipe=pipe, wide_bk=wide,
-                                ahead=ahead)
-    if wide:
-        assert mp._specs(lay, tiles, mp.interpreting())[0].constexprs["WBK"] == wide  # the launch takes the wide path
+    prob = tuple(_to(v, dev) for v in (x.to(act), bad, wts, w13, w2, sh13, sh2))
+    return prob, ref, act
+
+
+@pytest.mark.parametrize("bucket,pipe", [("gemv1", 0), ("gemv2", 0), ("gemv4", 0), ("gemv1", 3), ("gemv4", 2)])
+@pytest.mark.parametrize("case", list(GEMV_CASES))
+def test_gemv_tiles_match_reference(case: str, bucket: str, pipe: int, rng: torch.Generator) -> None:
+    """The FMA (GEMV) tiles, 1 / 2 / 4 rows per tile, bytes prefetched in registers or pipelined by Triton
+    (``pipe``), in every weight format: experts holding more rows than a tile, tiles with fewer rows than their
+    size, and the shared expert's partial last tile all match."""
+    mp = _mp()
+    prob, ref, act = _one_expert_problem(case, rng)
+    lay = mp._layout(*prob)
+    tiles = dataclasses.replace(mp._tile_options(lay, bucket, mp.interpreting()), pipe=pipe)
     assert tiles.gemv and tiles.bm == int(bucket[4:])
-    out = torch.full_like(xa, float("nan"))
-    mp._launch(xa, ids, wts, w13, w2, sh13, sh2, lay, tiles, mp.jit_run, out)
+    out = torch.full_like(prob[0], float("nan"))
+    mp._launch(*prob, lay, tiles, mp.jit_run, out)
+    _check(out.cpu(), ref, act)
+
+
+@pytest.mark.parametrize("t,pipe", [(None, 0), (None, 2), (20, 0), (20, 3)])
+@pytest.mark.parametrize("case", list(GEMV_CASES))
+def test_swap_tiles_match_reference(case: str, t: int | None, pipe: int, rng: torch.Generator) -> None:
+    """The weight-stationary tensor-core tiles (``moe_swap``), bytes prefetched in registers (pipe 0) or
+    pipelined by Triton, in every weight format: a few tokens, and 20 tokens where one expert's rows span two
+    16-token tiles (the second partly empty)."""
+    mp = _mp()
+    prob, ref, act = _one_expert_problem(case, rng, t)
+    lay = mp._layout(*prob)
+    tiles = dataclasses.replace(mp._tile_options(lay, "swap", mp.interpreting()), pipe=pipe)
+    assert tiles.swap and not tiles.gemv and mp._specs(lay, tiles, mp.interpreting())[0].constexprs["SWAP"]
+    out = torch.full_like(prob[0], float("nan"))
+    mp._launch(*prob, lay, tiles, mp.jit_run, out)
     _check(out.cpu(), ref, act)
 
 
 def test_rejects_tilings_that_do_not_fit(rng: torch.Generator) -> None:
-    """Explicit tilings (benchmarks) are checked: GEMV tiles of 1, 2 or 4 rows only, tiles dividing the dims."""
+    """Explicit tilings (benchmarks) are checked: GEMV tiles of 1, 2 or 4 rows only, swap tiles of MMA shapes,
+    tiles dividing the dims."""
     mp = _mp()
     x, ids, wts, w13, w2, sh13, sh2 = _problem(2, 128, 64, 8, 2, 64, "nvfp4", "mxfp8", rng)
     lay = mp._layout(x, ids, wts, w13, w2, sh13, sh2)
@@ -214,10 +230,9 @@ def test_rejects_tilings_that_do_not_fit(rng: torch.Generator) -> None:
     for bad, match in ((dataclasses.replace(good, bm=8), "1, 2 or 4 rows"), (dataclasses.replace(good, bk=96), "bk=96"),
                        (dataclasses.replace(good, bn1=48), "bn1=48"),
                        (dataclasses.replace(mp._tile_options(lay, "small", True), pipe=3), "pipe"),
-                       (dataclasses.replace(good, wide_bk=96), "power of two"),
-                       (dataclasses.replace(good, wide_bk=128), "does not divide 64"),
-                       (dataclasses.replace(mp._tile_options(lay, "gemv2", True), wide_bk=32), "one row"),
-                       (dataclasses.replace(good, ahead=3), "1 or 2 K steps")):
+                       (dataclasses.replace(mp._tile_options(lay, "swap", True), bm=8), "power of two >= 16"),
+                       (dataclasses.replace(mp._tile_options(lay, "swap", True), bn2=8), "bn1, bn2 >= 16"),
+                       (dataclasses.replace(good, swap=True), "either gemv or swap")):
         with pytest.raises(ShapeError, match=match):
             mp._launch(x, ids, wts, w13, w2, sh13, sh2, lay, bad, mp.jit_run, None)
 
@@ -275,7 +290,7 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
     specs = mp.moe_prefill_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")
     listed = {sp.key() for sp in specs}
     w13, w2, sh13, sh2 = meta_weights(e, h, inter, s)
-    for t in (1, 4, 5, 65, 512, 4096, 16384):
+    for t in (1, 3, 4, 16, 17, 65, 512, 4096, 16384):
         seen: list = []
         x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
         ids = torch.empty(t, k, dtype=torch.int64, device="meta")
@@ -284,22 +299,21 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
         assert len(seen) == 3 and {sp.key() for sp, _, _ in seen} <= listed, t
         for sp, _, args in seen:
             assert len(args) == len(sp.arg_types), sp.family
-    # the T >= 4096 bucket (the small one differs only in tile sizes) and the GEMV tiles (T <= 4)
+    # the T >= 4096 bucket (the small one differs only in tile sizes), the GEMV tiles (T <= 3), the swap tiles
     large = [sp for sp in specs if sp.constexprs.get("BM", 0) == 128 or sp.family == "moe_prefill_combine"]
     gemv = [sp for sp in specs if sp.constexprs.get("GEMV")]
-    assert len(gemv) == 2 and all(sp.enable_fp_fusion for sp in gemv)
+    swap = [sp for sp in specs if sp.constexprs.get("SWAP")]
+    assert len(gemv) == 2 and all(sp.enable_fp_fusion for sp in gemv) and len(swap) == 2
     lay = mp.Layout(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")  # + the pipelined GEMV option (benchmarked)
     piped = list(mp._specs(lay, dataclasses.replace(mp._tile_options(lay, "gemv1", False), pipe=3), False)[:2])
-    wide = list(mp._specs(lay, dataclasses.replace(mp._tile_options(lay, "gemv1", False), wide_bk=512), False)[:2])
-    built = compile_kernels(large + gemv + piped + wide)
-    for b in built[-2:]:  # the wide GEMV path: 16-byte code loads, no spills
-        assert "ld.global.v4.b32" in b.stages["ptx"] and _ptxas_spills(b.stages["ptx"]) in (None, 0), b.name
-    built = built[:-2]
+    built = compile_kernels(large + gemv + swap + piped)
     assert all("cp.async" in b.stages["ptx"] for b in built[-2:])  # Triton streams the weight bytes
-    assert all("cp.async" not in b.stages["ptx"] for b in built[-4:-2])  # pipe 0: register prefetch only
+    assert all("cp.async" not in b.stages["ptx"] for b in built[-6:-4])  # GEMV pipe 0: register prefetch only
+    for b in built[-4:-2]:  # swap tiles: NVFP4 decoded by the PTX (bf16x2 scale multiplies), wgmma, cp.async
+        assert all(op in b.stages["ptx"] for op in ("mul.rn.bf16x2", "wgmma.mma_async", "cp.async")), b.name
     built = built[:-2]
-    assert sorted(b.name for b in built) == sorted(["moe_combine_kernel"] + ["moe_fc1_kernel", "moe_fc2_kernel"] * 2)
-    for b, sp in zip(built, large + gemv):
+    assert sorted(b.name for b in built) == sorted(["moe_combine_kernel"] + ["moe_fc1_kernel", "moe_fc2_kernel"] * 3)
+    for b, sp in zip(built, large + gemv + swap):
         if b.name != "moe_combine_kernel":  # tensor-core tiles use wgmma; the GEMV tiles no MMA at all
             assert b.binary and ("wgmma.mma_async" in b.stages["ptx"]) != bool(sp.constexprs["GEMV"]), b.name
         spills = _ptxas_spills(b.stages["ptx"])
