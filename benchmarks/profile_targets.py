@@ -1,7 +1,7 @@
 """Run one hot kernel family at one m3.1-small point, for Nsight Compute (``ncu``) to profile.
 
-Targets: ``moe1`` (MegaMoE T = 1: routing + grouped GEMMs), ``moe16`` (T = 16), ``indexer1m`` (MSA indexer
-decode, 1M tokens, batch 1), ``attn1m`` (MSA sparse-attention decode at 1M). Each target runs its call
+Targets: ``moe1`` (MegaMoE T = 1: routing + grouped GEMMs), ``moe16`` (T = 16), ``indexer1m`` / ``indexer1m8`` (MSA
+indexer decode, 1M tokens, batch 1 / 8), ``attn1m`` (MSA sparse-attention decode at 1M). Each target runs its call
 3 times (warm-up and JIT compiles first), then synchronizes; profile the last launch with e.g.
 ``ncu --kernel-name regex:moe_prefill_fc1 --launch-skip 2 --launch-count 1 --set full``.
 
@@ -40,11 +40,11 @@ def moe(t: int) -> Callable[[], None]:
                            routed_scaling_factor=2.5, norm_topk_prob=True)
 
 
-def msa(part: str) -> Callable[[], None]:
-    """MSA decode at 1M tokens, batch 1 (caches made once): the indexer, plus the attention for "attn"."""
-    b = make_batch(1 << 20, 1, 1)
-    scores = torch.empty((1, 1, (1 << 20) // BS), dtype=torch.float32, device="cuda")
-    sel = torch.empty((1, 1, TOPK), dtype=torch.int64, device="cuda")
+def msa(part: str, batch: int = 1) -> Callable[[], None]:
+    """MSA decode at 1M tokens (caches made once): the indexer, plus the attention for "attn"."""
+    b = make_batch(1 << 20, batch, 1)
+    scores = torch.empty((batch, 1, (1 << 20) // BS), dtype=torch.float32, device="cuda")
+    sel = torch.empty((batch, 1, TOPK), dtype=torch.int64, device="cuda")
 
     def call() -> None:
         msa_indexer(b["iq"], b["ikd"], b["iks"], b["pos"], b["qsl"], b["seq"], b["table"], BS, TOPK,
@@ -56,6 +56,7 @@ def msa(part: str) -> Callable[[], None]:
 
 
 TARGETS = {"moe1": lambda: moe(1), "moe16": lambda: moe(16), "indexer1m": lambda: msa("indexer"),
+           "indexer1m8": lambda: msa("indexer", 8),
            "attn1m": lambda: msa("attn")}
 
 
