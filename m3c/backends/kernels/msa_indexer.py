@@ -71,7 +71,7 @@ always uses "f32scale"):
   conversion and scale per 16 values; ±inf / NaN q elements add their float products in a branch only
   such rows take. Offline sm_90a: 4.7 SASS instructions per key value against "fma"'s 5.6 — and no
   faster on the H200 (1M tokens: batch 1 56.1 vs 52.7 µs, batch 8 293.9 vs 287.3; 274.8 with 128-key
-  steps), so "fma" stays the default: at batch 8 neither path is bound by its instruction count.
+  steps) with 4 warps; with 2 warps it is the fastest path measured and the default (``DEFAULT_DEQ``).
 The inline PTX runs only on a GPU: the interpreter checks each path's algebra with the same values in
 float32, and the tests check the bit formulas of the PTX on every byte in torch.
 
@@ -126,27 +126,29 @@ from m3c.errors import ShapeError
 
 DEQ_MODES = ("f32scale", "groupdot", "fp8", "fma", "int8")
 """Decode dequant paths (the ``DEQ`` constexpr is the index): see the module docstring."""
-DEFAULT_DEQ = "fma"
-"""The decode dequant path by default: exact like "f32scale" / "groupdot" and the fastest on the H200 (1M
-tokens, batch 1: 66 µs vs 107 "groupdot", 128 "f32scale", 89 "fp8"; 32K: 12.1 vs 13.3 µs; selections
-equal the reference's; benchmarks/RESULTS.md). Those numbers are for 1-row tiles (54 registers), which
-plain decode (no more rows than requests) gets whatever ``max_q_rows`` says (:func:`decode_rows`); more
-rows get FMA_ROWS = 2-row tiles (96 registers; 1M, one row: 89.5 µs). "fp8" is lossy (its query rounding
-changed 87.5% of the selected blocks at 32K), so it is never a default."""
+DEFAULT_DEQ = "int8"
+"""The decode dequant path by default: the fastest measured on the H200 (1M tokens, scores + top-k, 64 keys, 2
+warps: batch 8 258.5 µs vs "fma" 274.4, batch 1 47.2 vs 50.3; session 11: "fma" 66 µs at batch 1 against
+107 "groupdot", 128 "f32scale", 89 "fp8"). Its only loss, 2^-20 of each query row's max, is the size of
+float32 accumulation-order differences (the reference sums in another order anyway); its selections equaled
+the reference's at every benchmarked point. "fma" is the float32 twin; "fp8" is lossy (its query rounding
+changed 87.5% of the selected blocks at 32K), so it is never a default. Plain decode (no more rows than
+requests) gets 1-row tiles whatever ``max_q_rows`` says (:func:`decode_rows`); more rows get FMA_ROWS = 2-row
+tiles."""
 
 FMA_KEYS = 64
 """Keys per step of the "fma" and "int8" paths (a power of two; below the block size a block takes several steps)."""
-FMA_WARPS = 4
-"""Warps of the "fma" and "int8" paths' programs."""
+FMA_WARPS = 2
+"""Warps of the "fma" and "int8" paths' programs (H200, 1M tokens, batch 8: 2 warps 258.5 / 274.4 µs for int8 /
+fma against 293.9 / 287.3 with 4; 1 warp with 32 keys 264.3 / 320.8)."""
 FMA_STAGES = 3
 """How the "fma" and "int8" paths' block loop brings its keys in: n >= 1 uses Triton's ``tl.range(num_stages=n)``
 (1: loads issued in the step that uses them; > 1: cp.async through shared memory, n - 1 steps ahead; H200, 1M
 tokens, batch 1, scores + top-k: 1-row tiles 66.4 µs at 1 stage, 66.4 at 2, 62.1 at 3; batch 8: 358.2 at 1,
-302.8 at 3); 0 loads the next step's keys into registers while the current step computes (steps of whole
-blocks: FMA_KEYS >= block size, else 3). Not yet measured in the kernel: a read-only kernel of the same grid
-and loads (benchmarks/bench_indexer_stream.py, H200, 1M tokens, batch 8) reads at 91% of the byte floor with
-plain or register-prefetched loads but at 43% through the 3-stage cp.async pipeline, so FMA_STAGES = 0 with
-FMA_KEYS = 128 is the next default to try (predicted: batch 8 scores ~277 -> ~190-220 µs)."""
+302.8 at 3); 0 loads the next step's keys into registers while the current step computes (steps of whole blocks:
+FMA_KEYS >= block size, else 3). Register prefetch was measured slower (1M, batch 8, 128 keys: fma 409.9 /
+int8 270.4 µs at 4 warps against 274.4 / 258.5 for 64 keys, 2 warps, 3 stages): Nsight Compute shows the
+kernel bound by instruction issue (67% of issue slots), not by its loads."""
 FMA_ROWS = 2
 """Query rows per tile of the "fma" and "int8" paths (at most; more rows loop over tiles, keys re-read per tile). The
 tile's rows × G (row, head) pairs share each decoded key step but hold their q in registers, and a kernel
