@@ -105,6 +105,7 @@ def run_decode(ctx: int, batch: int, max_q_rows: int, modes: tuple[str, ...] = D
         topk_ms = time_topk(scores, pos, sel)
         tune = ({"fma_keys": mi.FMA_KEYS, "fma_warps": mi.FMA_WARPS, "fma_rows": mi.FMA_ROWS,
                  "fma_stages": mi.FMA_STAGES} if deq in ("fma", "int8") else {})
+        tune |= {"chunk_waves": mi.CHUNK_WAVES, "chunk_max": mi.CHUNK_MAX}
         row = {"phase": "decode", "context": ctx, "batch": batch, "deq": deq, "max_q_rows": max_q_rows, **tune,
                "us": ms * 1e3, "topk_us": topk_ms * 1e3,
                "floor_us": floor_ms * 1e3, "pct_of_floor": 100 * floor_ms / ms, "sdpa_dense_us": sdpa * 1e3,
@@ -164,9 +165,12 @@ def main() -> None:
     ap.add_argument("--no-prefill", action="store_true", help="decode points only")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default: 1, or 1 8)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts in tokens")
+    ap.add_argument("--chunk-waves", type=int, default=mi.CHUNK_WAVES, help="decode scores programs per SM aimed at")
+    ap.add_argument("--chunk-max", type=int, default=mi.CHUNK_MAX, help="most blocks per decode scores program")
     args = ap.parse_args()
-    # read by the spec builder
+    # read by the spec builder and the launcher
     mi.FMA_KEYS, mi.FMA_WARPS, mi.FMA_ROWS, mi.FMA_STAGES = args.fma_keys, args.fma_warps, args.fma_rows, args.fma_stages
+    mi.CHUNK_WAVES, mi.CHUNK_MAX = args.chunk_waves, args.chunk_max
     ctxs = args.contexts or ((32768, 1 << 20) if args.quick else (32768, 131072, 524288, 1 << 20))
     batches = args.batches or ((1,) if args.quick else (1, 8))
     rows: list[dict] = []

@@ -154,6 +154,15 @@ FMA_ROWS = 2
 tile's rows × G (row, head) pairs share each decoded key step but hold their q in registers, and a kernel
 holds the registers of its largest tile (sm_90, D = 128, G = 1: 54 at 1 row, 96 at 2, 168 at 4, 255 at 8)."""
 
+CHUNK_WAVES = 4
+"""Decode scores programs per SM the block-chunk split aims for (:func:`pick_chunk_blocks`). H200, "int8", 2
+warps: more, shorter programs lose (1M tokens, batch 1: 47.2 µs at 4, 59.6 at 16, 74.2 at 32; batch 8: 258.6 /
+266.3 / 281.5), so does 2 (batch 8: 305.1 with 256-block chunks)."""
+CHUNK_MAX = 128
+"""Most blocks one decode scores program covers: at 1M tokens and batch 8, 128-block chunks make 528 programs, all
+resident at once (6 per SM at 2 warps), and took 248.5 µs against 258.6 with 64-block chunks (1,024 programs,
+1.3 waves); other points unchanged."""
+
 PREFILL_M = 128
 """Prefill M tile: ``max(1, PREFILL_M // G)`` query rows × G index heads per program."""
 
@@ -633,9 +642,10 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cnt_ptr, MB, G: t
 
 
 def pick_chunk_blocks(n_prog: int, max_blocks: int, nbt: int, num_sms: int) -> int:
-    """Blocks per kernel-1 program: ~4 waves over ``n_prog`` row tiles, 2..64 blocks each (a multiple of nbt)."""
-    want = triton.cdiv(n_prog * max_blocks, 4 * num_sms)
-    chunk = min(max(want, 2, nbt), 64, max(max_blocks, 1))
+    """Blocks per kernel-1 program: ~CHUNK_WAVES programs per SM over ``n_prog`` row tiles, 2..CHUNK_MAX blocks
+    each (a multiple of nbt)."""
+    want = triton.cdiv(n_prog * max_blocks, CHUNK_WAVES * num_sms)
+    chunk = min(max(want, 2, nbt), CHUNK_MAX, max(max_blocks, 1))
     return triton.cdiv(chunk, nbt) * nbt
 
 

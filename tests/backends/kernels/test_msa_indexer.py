@@ -587,3 +587,18 @@ def test_offline_cubins_through_the_runtime(deq: str, rng: torch.Generator) -> N
         else:
             _check(b, bs, 16, exact=True, deq=deq, runner=runner)
     assert runner.launches == 4
+
+
+@pytest.mark.parametrize("n_prog,max_blocks,nbt,sms", [(1, 8192, 1, 132), (8, 8192, 1, 132), (8, 1024, 1, 132),
+                                                        (32, 8192, 2, 132), (1, 3, 1, 132), (3, 100, 4, 8)])
+def test_pick_chunk_blocks(n_prog: int, max_blocks: int, nbt: int, sms: int) -> None:
+    """Decode chunks: a multiple of the step's blocks, 2..CHUNK_MAX blocks (rounded up to nbt), and at least
+    CHUNK_WAVES programs per SM whenever the bound allows it."""
+    mi = _kernels()
+    c = mi.pick_chunk_blocks(n_prog, max_blocks, nbt, sms)
+    assert c % nbt == 0 and 2 <= c <= max(mi.CHUNK_MAX, nbt) + nbt
+    programs = n_prog * triton.cdiv(max_blocks, c)
+    if c - nbt >= 2 and c < min(mi.CHUNK_MAX, max_blocks):  # neither bound active: programs per SM met
+        assert programs >= mi.CHUNK_WAVES * sms * 0.5, (c, programs)
+    if max_blocks * n_prog >= mi.CHUNK_MAX * mi.CHUNK_WAVES * sms:  # long contexts: the largest chunk
+        assert c >= mi.CHUNK_MAX
