@@ -1,4 +1,5 @@
-"""Weight operands of the MegaMoE tensor-core tiles: stored weights (NVFP4, MXFP8, bf16) decoded in registers.
+"""Weight operands of the MegaMoE tensor-core tiles: stored weights (NVFP4, MXFP8, bf16) decoded in registers, and
+the tiles' a @ b^T dot.
 
 Shared by the grouped-GEMM tiles (:mod:`m3c.backends.kernels.moe_prefill`) and the weight-stationary decode
 tiles (:mod:`m3c.backends.kernels.moe_swap`).
@@ -46,3 +47,13 @@ def dot_operand(v, DOT_F32: tl.constexpr):
     else:
         out = v.to(tl.bfloat16)
     return out
+
+
+@triton.jit
+def dot_nt(a, b, acc, DOT_F32: tl.constexpr):
+    """acc + a @ b^T (a [M, k], b [N, k]; IEEE float32 products for float32 operands)."""
+    if DOT_F32:
+        res = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    else:
+        res = tl.dot(a, tl.trans(b), acc)
+    return res

@@ -89,7 +89,7 @@ from m3c.backends.kernels.fp_codes import (
     to_stored,
 )
 from m3c.backends.kernels.host import derived, interpreting
-from m3c.backends.kernels.moe_operands import dot_operand, w_tile
+from m3c.backends.kernels.moe_operands import dot_nt, dot_operand, w_tile
 from m3c.backends.kernels.moe_routing import expert_permutation
 from m3c.backends.kernels.moe_swap import fc1_swap, fc2_swap
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
@@ -115,16 +115,6 @@ def _row_mul(g_ptr, rows, FMT: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, w, acc, DOT_F32: tl.constexpr):
-    """acc + a @ w^T (IEEE float32 products for float32 operands)."""
-    if DOT_F32:
-        res = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-    else:
-        res = tl.dot(a, tl.trans(w), acc)
-    return res
-
-
-@triton.jit
 def _a_tile(row_ptrs, cols, valid, DOT_F32: tl.constexpr):
     """Activation rows (pointers [BM, 1]) × columns `cols` as the dot's A operand (float32 or bf16); 0 past T."""
     return dot_operand(tl.load(row_ptrs + cols[None, :], mask=valid[:, None], other=0.0), DOT_F32)
@@ -144,9 +134,9 @@ def _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
     for k0 in range(0, H, BK):
         xt = _a_tile(xrow, k0 + kk, valid, DOT_F32)
         wg = w_tile(wd_ptr, ws_ptr, rg, k0, H, FMT, BN, BK, DOT_F32)
-        acc_g = _dot(xt, wg, acc_g, DOT_F32)
+        acc_g = dot_nt(xt, wg, acc_g, DOT_F32)
         wu = w_tile(wd_ptr, ws_ptr, ru, k0, H, FMT, BN, BK, DOT_F32)
-        acc_u = _dot(xt, wu, acc_u, DOT_F32)
+        acc_u = dot_nt(xt, wu, acc_u, DOT_F32)
     g = acc_g * _row_mul(wg_ptr, rg, FMT)[None, :]
     u = acc_u * _row_mul(wg_ptr, ru, FMT)[None, :]
     a = g * tl.sigmoid(g) * u
@@ -167,7 +157,7 @@ def _fc2_tile(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
     for k0 in range(0, K, BK):
         at = _a_tile(arow, k0 + kk, valid, DOT_F32)
         w = w_tile(wd_ptr, ws_ptr, rw, k0, K, FMT, BN, BK, DOT_F32)
-        acc = _dot(at, w, acc, DOT_F32)
+        acc = dot_nt(at, w, acc, DOT_F32)
     acc = acc * _row_mul(wg_ptr, rw, FMT)[None, :] * wt[:, None]
     cols = n0 + tl.arange(0, BN)
     ptrs = y_ptr + yrows.to(tl.int64)[:, None] * H + cols[None, :]

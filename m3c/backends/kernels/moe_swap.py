@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, to_stored
-from m3c.backends.kernels.moe_operands import dot_operand, w_tile
+from m3c.backends.kernels.moe_operands import dot_nt, dot_operand, w_tile
 
 
 def _bf16_pair_asm(eem_shift: int, sign_shift: int) -> str:
@@ -110,19 +110,9 @@ def _x_halves(xrow, valid, k0, cols, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _mma(w, x, acc, DOT_F32: tl.constexpr):
-    """acc + w @ x^T (w [BN, k], x [BM, k]; IEEE float32 products for float32 operands)."""
-    if DOT_F32:
-        out = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-    else:
-        out = tl.dot(w, tl.trans(x), acc)
-    return out
-
-
-@triton.jit
 def _nvfp4_step(codes, sb, xl, xh, acc, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
     lo, hi = _nvfp4_halves(codes, sb, BN, BK, DOT_F32)
-    return _mma(hi, xh, _mma(lo, xl, acc, DOT_F32), DOT_F32)
+    return dot_nt(hi, xh, dot_nt(lo, xl, acc, DOT_F32), DOT_F32)
 
 
 @triton.jit
@@ -149,7 +139,7 @@ def _gemm_rows(xrow, valid, d_ptr, s_ptr, rows, acc, K: tl.constexpr, FMT: tl.co
         NS: tl.constexpr = PIPE if PIPE > 1 else 1
         for k0 in tl.range(0, K, BK, num_stages=NS):
             xt = dot_operand(tl.load(xrow + (k0 + kk)[None, :], mask=valid[:, None], other=0.0), DOT_F32)
-            acc = _mma(w_tile(d_ptr, s_ptr, rows, k0, K, FMT, BN, BK, DOT_F32), xt, acc, DOT_F32)
+            acc = dot_nt(w_tile(d_ptr, s_ptr, rows, k0, K, FMT, BN, BK, DOT_F32), xt, acc, DOT_F32)
     return acc
 
 
