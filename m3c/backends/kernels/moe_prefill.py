@@ -568,7 +568,7 @@ def _tile_options(lay: Layout, bucket: str, interp: bool) -> Tiles:
             raise ShapeError(f"GEMV tiles hold 1, 2 or 4 rows, not {bm} (bucket {bucket!r})")
         if interp:  # the same code on small tiles
             return Tiles(bm, 16, 16, 32, 4, 1, 16, _divides((64, 32), h), 4, gemv=True)
-        return Tiles(bm, 16, 16, _divides((128, 64, 32), h, i, s), 4, 1, 16, _divides((256, 128, 64, 32), h), 4,
+        return Tiles(bm, 16, 16, _divides((64, 32), h, i, s), 2, 1, 16, _divides((256, 128, 64, 32), h), 4,
                      gemv=True)
     if interp:
         return Tiles(32, _divides((32, 16), i, s), _divides((64, 32, 16), h), _divides((64, 32), h, i, s), 4, 1,
@@ -583,10 +583,11 @@ def _tile_options(lay: Layout, bucket: str, interp: bool) -> Tiles:
 
 
 GEMV_MAX_TOKENS = 3
-"""Batches of at most this many tokens run the GEMV tiles with one row per tile ("gemv1"). Measured on the H200
-(m3.1-small, bf16, CUDA graphs, benchmarks/RESULTS.md): T = 1 172-185 µs vs 204-223 µs for the swap tiles and
-229 µs for the "small" tiles; at T = 4 the swap tiles won (474 vs 506 µs). Tiles of 2 or 4 rows lost to 1-row
-tiles at T = 4 (598 / 818 µs)."""
+"""Batches of at most this many tokens run the GEMV tiles with one row per tile ("gemv1"; K step 64, 2 warps:
+168.4 µs at T = 1 against 177.8 for K step 128 and 4 warps, same run). Measured on the H200 (m3.1-small, bf16,
+CUDA graphs, benchmarks/RESULTS.md): T = 1 168-185 µs vs 204-223 µs for the swap tiles and 229 µs for the
+"small" tiles; at T = 4 the swap tiles won (474 vs 506 µs; 530 for the 64 / 2-warp GEMV). Tiles of 2 or 4
+rows lost to 1-row tiles at T = 4 (598 / 818 µs)."""
 SWAP_MAX_TOKENS = 16
 """Batches of GEMV_MAX_TOKENS + 1 .. this many tokens run the weight-stationary tensor-core tiles ("swap",
 :mod:`m3c.backends.kernels.moe_swap`): T = 16 838-870 µs vs 938-1025 for the "small" tiles (same runs); at T =
