@@ -68,10 +68,12 @@ always uses "f32scale"):
 - "int8": the "fma" tile (loop, loads, pooling) with integer math (:mod:`msa_indexer_int8`): q split
   exactly into three int8 parts per (row, head) (2^-20 of its row max is the only loss), the nibbles looked
   up as signed 2·E2M1 bytes by ``prmt`` and dotted four at a time by ``dp4a`` (int32, exact), one float
-  conversion and scale per 16 values; ±inf / NaN q elements add their float products in a branch only
-  such rows take. Offline sm_90a: 4.7 SASS instructions per key value against "fma"'s 5.6 — and no
-  faster on the H200 (1M tokens: batch 1 56.1 vs 52.7 µs, batch 8 293.9 vs 287.3; 274.8 with 128-key
-  steps) with 4 warps; with 2 warps it is the fastest path measured and the default (``DEFAULT_DEQ``).
+  conversion and scale per 16 values. A tile whose q holds ±inf / NaN runs the "fma" loop instead (its IEEE
+  products give the reference's ±inf / NaN scores); the tile's finiteness is checked once, before the loop.
+  With 4 warps no faster than "fma" on the H200 (1M tokens: batch 1 56.1 vs 52.7 µs, batch 8 293.9 vs 287.3);
+  with 2 warps the fastest path measured and the default (``DEFAULT_DEQ``). Offline sm_90a, 2 warps: 3.8 SASS
+  instructions per key value and 168 registers (6 programs per SM) since the prmt tables are operands kept in
+  registers and the ±inf / NaN branch left the loop (was 4.2 and 200 registers, 5 per SM; not yet timed).
 The inline PTX runs only on a GPU: the interpreter checks each path's algebra with the same values in
 float32, and the tests check the bit formulas of the PTX on every byte in torch.
 
@@ -118,7 +120,7 @@ import triton.language as tl
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value, pow2, slices8
 from m3c.backends.kernels.host import interpreting, num_sms, persistent
-from m3c.backends.kernels.msa_indexer_int8 import group_sums, nonfinite_part, q_int8_words
+from m3c.backends.kernels.msa_indexer_int8 import LUT_N0, LUT_N1, LUT_P0, LUT_P1, group_sums, q_int8_words
 from m3c.backends.kernels.prefill_tiles import prefill_tile, prefill_tile_count
 from m3c.backends.kernels.split_merge import last_to_arrive
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
@@ -295,12 +297,42 @@ def _fma_load(kw_ptr, ks_ptr, bt_row, b0, u, kk, g, w_off, vis_hi, D: tl.constex
 
 
 @triton.jit
+def _tile_finite(q_ptr, stride_qt, stride_qg, t0, t_hi, G: tl.constexpr, D: tl.constexpr, R: tl.constexpr):
+    """Whether every q element of the tile's R (row, head) pairs (rows t0.., before t_hi) is finite."""
+    d = tl.arange(0, D)
+    bad = 0
+    for i in tl.static_range(R):
+        tok = tl.minimum(t0 + i // G, t_hi - 1).to(tl.int64)
+        q = tl.load(q_ptr + tok * stride_qt + (i % G) * stride_qg + d).to(tl.float32)
+        bad += tl.sum(tl.where(tl.abs(q) < float("inf"), 0, 1))
+    return bad == 0
+
+
+@triton.jit
 def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
               G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr, FS: tl.constexpr,
               R: tl.constexpr, I8: tl.constexpr, UPCAST: tl.constexpr):
-    """The "fma" (I8 False) and "int8" (I8) decode paths: block-max scores of R = rows × G (row, head) pairs, one
-    by one, over blocks [c_lo, vis_hi); steps of FK keys (NBT whole blocks, or a part of one) decoded once for all
-    pairs. UPCAST: "int8" without its PTX (Triton's interpreter).
+    """The "fma" (I8 False) and "int8" (I8) decode paths over R (row, head) pairs: "int8" runs for tiles whose q is
+    finite, the others take the float32 "fma" loop, whose IEEE products give the reference's ±inf / NaN scores."""
+    if I8:
+        if _tile_finite(q_ptr, stride_qt, stride_qg, t0, t_hi, G, D, R):
+            _fma_loop(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo,
+                      vis_hi, G, D, BS, NBT, FK, FS, R, True, UPCAST)
+        else:
+            _fma_loop(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo,
+                      vis_hi, G, D, BS, NBT, FK, FS, R, False, UPCAST)
+    else:
+        _fma_loop(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
+                  G, D, BS, NBT, FK, FS, R, False, UPCAST)
+
+
+@triton.jit
+def _fma_loop(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride_qg, MB, t0, t_hi, c_lo, vis_hi,
+              G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NBT: tl.constexpr, FK: tl.constexpr, FS: tl.constexpr,
+              R: tl.constexpr, I8: tl.constexpr, UPCAST: tl.constexpr):
+    """The "fma" (I8 False) and "int8" (I8; finite q only) loops: block-max scores of R = rows × G (row, head)
+    pairs, one by one, over blocks [c_lo, vis_hi); steps of FK keys (NBT whole blocks, or a part of one) decoded
+    once for all pairs. UPCAST: "int8" without its PTX (Triton's interpreter).
 
     Pair i = (token t0 + i // G, head i % G); pairs past t_hi compute on token t0 and store nothing.
     """
@@ -322,11 +354,12 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
         q_row = q_ptr + tok * stride_qt + (i % G) * stride_qg
         pos = tl.where(valid, tl.load(pos_ptr + tok).to(tl.int32), -1)
         if I8:  # "int8": q split into int8 parts (msa_indexer_int8)
-            qw, d1, d2, bad = q_int8_words(tl.load(q_row + g[:, None] * 16 + tl.arange(0, 16)[None, :]).to(tl.float32),
-                                           NG)
-            pairs = pairs + ((qw, d1, d2, pos, valid, out_ptr + (tok * G + i % G) * MB, bad, q_row),)  # noqa: RUF005
+            qw, d1, d2 = q_int8_words(tl.load(q_row + g[:, None] * 16 + tl.arange(0, 16)[None, :]).to(tl.float32), NG)
+            pairs = pairs + ((qw, d1, d2, pos, valid, out_ptr + (tok * G + i % G) * MB),)  # noqa: RUF005
         else:
             pairs = pairs + (_fma_pair(q_row, q_off, pos, valid, out_ptr + (tok * G + i % G) * MB),)  # noqa: RUF005
+    zero = tl.minimum(c_lo, 0).to(tl.int32)  # 0 (a chunk's first block), which the compilers cannot fold: so
+    luts = (zero + LUT_P0, zero + LUT_P1, zero + LUT_N0, zero + LUT_N1)  # the "int8" tables stay in registers
     if FS == 0:  # register prefetch: a step's keys load while the step before computes (one step per block)
         tl.static_assert(SUB == 1, "register prefetch needs FK >= BS")
         words_n, sbyte_n = _fma_load(kw_ptr, ks_ptr, bt_row, c_lo, 0, kk, g, w_off, vis_hi, D, BS, NBT, BL, NG, True)
@@ -357,10 +390,8 @@ def _fma_tile(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
             step = ()
             for i in tl.static_range(R):
                 if I8:
-                    qw, d1, d2, pos, _, _, bad, q_row = pairs[i]
-                    acc = tl.sum(group_sums(w0, w1, qw, UPCAST).to(tl.float32) * scale, axis=1) * d1 * d2
-                    if bad:  # ±inf / NaN elements of q: their float products, as the reference's
-                        acc += nonfinite_part(q_row, w0, w1, scale, g, NG)
+                    qw, d1, d2, pos, _, _ = pairs[i]
+                    acc = tl.sum(group_sums(w0, w1, qw, luts, UPCAST).to(tl.float32) * scale, axis=1) * d1 * d2
                 else:
                     qs, d1, d2, pos, _, _ = pairs[i]
                     part = vals[0] * qs[0]

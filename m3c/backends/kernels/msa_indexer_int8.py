@@ -1,7 +1,8 @@
 """The MSA indexer's "int8" decode path: NVFP4 index keys against an integer-split q by ``dp4a``.
 
-Used by ``msa_indexer._fma_tile`` (which owns the loop, the loads and the pooling); this module holds what
-differs from the "fma" path:
+Used by ``msa_indexer._fma_loop`` (which owns the loop, the loads and the pooling) for tiles whose q is finite
+(``msa_indexer._fma_tile`` runs the float32 "fma" loop for the others: its IEEE products give the reference's
+±inf / NaN scores); this module holds what differs from the "fma" path:
 
 - **q** (per (row, head) pair, once): x = q · 2^S with max|x| in [32, 64) (S from max|q|'s exponent,
   integer arithmetic; subnormal and zero rows included) is split exactly into three int8 parts,
@@ -16,9 +17,10 @@ differs from the "fma" path:
 - **dot**: ``dp4a`` of those lanes with each q part (int32, exact: |sum| < 2^28), combined per scale group as
   ((h·128 + m)·128 + l), converted to float32 once, times the group's E4M3 scale, summed over groups, times
   2^-(S + 15). Per 16 key values: 12 prmt + 12 dp4a + 6 and + 6 shifts + 4 or + 2 mad, then a conversion and
-  a scale multiply (4.7 SASS instructions per value in all on sm_90a, "fma" 5.6).
-- q elements that are ±inf / NaN (rows the integer split cannot hold) add their float products in a branch
-  only such rows take, so NaN / ±inf scores come out where the reference's do.
+  a scale multiply. The prmt tables (``LUTS``) come in as operands the caller makes once, from a value the
+  compiler cannot fold: as immediates inside each asm block ptxas re-materialized them from uniform registers
+  at every use (115 moves per 256 values); offline sm_90a, 2 warps: 3.8 SASS instructions per value (was 4.2),
+  "fma" 5.2.
 
 The only roundings: the int32 → float32 conversion (24 bits), the scale products and the group sum (float32),
 and q's split (2^-15 of 2^5, relative to the row's largest element). Triton's interpreter runs the same
@@ -30,10 +32,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from m3c.backends.kernels.fp_codes import e2m1_nibble_tiny, pow2, slices8
+from m3c.backends.kernels.fp_codes import pow2
 
 TWO_64 = tl.constexpr(1.8446744073709552e19)
 _ROUND = tl.constexpr(12582912.0)  # 1.5 × 2^23: (x + it) - it rounds |x| < 2^22 to the nearest integer, ties even
+LUT_P0 = tl.constexpr(0x03020100)
+LUT_P1 = tl.constexpr(0x0C080604)
+"""prmt byte table of 2·|E2M1| for codes 0..7 (0, 1, 2, 3 | 4, 6, 8, 12), and its negation (0xFDFEFF00, 0xF4F8FAFC):"""
+LUT_N0 = tl.constexpr(-33620224)
+LUT_N1 = tl.constexpr(-185009412)
+LUTS = (LUT_P0.value, LUT_P1.value, LUT_N0.value, LUT_N1.value)
+"""The four table words as plain ints, in the asm's operand order ($15..$18)."""
 
 def _half(w: int, sel: str, mag: str, sgn: str, i: int) -> str:
     """PTX for 4 nibbles of code word $w against q's quad i in each of the three parts ($(3 + i), $(7 + i),
@@ -42,7 +51,7 @@ def _half(w: int, sel: str, mag: str, sgn: str, i: int) -> str:
     prmt of {0,1,2,3,4,6,8,12} by ``sel`` reads |v| for a positive nibble and 0 for a negative one (its set top
     selector bit replicates the table byte's zero sign), prmt of {0,-1,-2,-3,-4,-6,-8,-12} by ``mag`` reads -|v|,
     and the sign mask picks it for negative nibbles."""
-    return (f"prmt.b32 p, t0, t1, {sel}; prmt.b32 n, u0, u1, {mag}; prmt.b32 m, a, ${w}, {sgn}; and.b32 n, n, m; "
+    return (f"prmt.b32 p, $15, $16, {sel}; prmt.b32 n, $17, $18, {mag}; prmt.b32 m, a, ${w}, {sgn}; and.b32 n, n, m; "
             f"or.b32 v, p, n; dp4a.s32.s32 h, v, ${3 + i}, h; dp4a.s32.s32 d, v, ${7 + i}, d; "
             f"dp4a.s32.s32 l, v, ${11 + i}, l; ")
 
@@ -54,10 +63,10 @@ def _word(w: int, i: int) -> str:
 
 
 # dp4a of the E2M1 values of two code words ($1, $2: a scale group's 16 elements) with three int8 parts of q
-# (part p's word i = elements 4i..4i+3 is $(3 + 4p + i)), combined as ((h·128 + m)·128 + l).
+# (part p's word i = elements 4i..4i+3 is $(3 + 4p + i)), combined as ((h·128 + m)·128 + l); the tables of
+# |v| and -|v| (LUTS) in $15, $16 and $17, $18.
 _ASM_DP4A = tl.constexpr(
-    "{ .reg .b32 t0, t1, u0, u1, g, a, s, gs, p, n, m, v, h, d, l; "
-    "mov.b32 t0, 0x03020100; mov.b32 t1, 0x0C080604; mov.b32 u0, 0xFDFEFF00; mov.b32 u1, 0xF4F8FAFC; "
+    "{ .reg .b32 g, a, s, gs, p, n, m, v, h, d, l; "
     "mov.b32 h, 0; mov.b32 d, 0; mov.b32 l, 0; "
     + _word(1, 0) + _word(2, 2) + "mad.lo.s32 h, h, 128, d; mad.lo.s32 $0, h, 128, l; }")
 
@@ -81,17 +90,14 @@ def _words(p, NG: tl.constexpr):
 
 @triton.jit
 def q_int8_words(q, NG: tl.constexpr):
-    """A pair's q [NG, 16] (float32) -> (12 words: part-major, then element quad; 2^-(S + 15) as two factors;
-    whether q holds a non-finite element). Non-finite elements are left out of the words (0)."""
-    fin = tl.abs(q) < float("inf")  # False for ±inf and NaN
-    qf = tl.where(fin, q, 0.0)
-    bad = tl.max(tl.where(fin, 0, 1)) > 0
-    amax = tl.max(tl.abs(qf))
+    """A pair's finite q [NG, 16] (float32) -> (12 words: part-major, then element quad; 2^-(S + 15) as two
+    factors)."""
+    amax = tl.max(tl.abs(q))
     tiny = amax < 8.673617379884035e-19  # 2^-60: exponent read at amax · 2^64 (subnormal and zero rows)
     a2 = tl.where(tiny, amax * TWO_64, amax)
     sh = 132 - ((a2.to(tl.int32, bitcast=True) >> 23) & 255) + tl.where(tiny, 64, 0)  # S in [-122, 196]
     s1 = tl.minimum(sh, 127)
-    x = qf * pow2(s1) * pow2(sh - s1)  # max|x| in [32, 64): exact
+    x = q * pow2(s1) * pow2(sh - s1)  # max|x| in [32, 64): exact
     h = _rint(x)
     r = (x - h) * 128.0
     m = _rint(r)
@@ -99,7 +105,7 @@ def q_int8_words(q, NG: tl.constexpr):
     e = -(sh + 15)
     e1 = tl.maximum(e, -126)
     return (_words(h.to(tl.int32), NG) + _words(m.to(tl.int32), NG) + _words(lo.to(tl.int32), NG), pow2(e1),
-            pow2(e - e1), bad)
+            pow2(e - e1))
 
 
 @triton.jit
@@ -119,9 +125,10 @@ def _byte(w, i: tl.constexpr):
 
 
 @triton.jit
-def group_sums(w0, w1, qw, UPCAST: tl.constexpr):
+def group_sums(w0, w1, qw, luts, UPCAST: tl.constexpr):
     """Per (key, group): ((h·128 + m)·128 + l) · 2 of the group's 16 E2M1 values (words w0, w1) against q's
-    three parts (int32, exact). UPCAST (Triton's interpreter): the same integers without the PTX."""
+    three parts (int32, exact); ``luts``: the four ``LUTS`` words as values. UPCAST (Triton's interpreter): the
+    same integers without the PTX."""
     if UPCAST:
         s = tl.zeros(w0.shape, tl.int32)
         for p in tl.static_range(3):
@@ -135,23 +142,6 @@ def group_sums(w0, w1, qw, UPCAST: tl.constexpr):
             s = s * 128 + part
         return s
     else:
-        return tl.inline_asm_elementwise(_ASM_DP4A, "=r" + ",r" * 14, [w0, w1, qw[0], qw[1], qw[2], qw[3], qw[4], qw[5], qw[6], qw[7],
-                                          qw[8], qw[9], qw[10], qw[11]], dtype=tl.int32, is_pure=True,
+        return tl.inline_asm_elementwise(_ASM_DP4A, "=r" + ",r" * 18, [w0, w1, qw[0], qw[1], qw[2], qw[3], qw[4], qw[5], qw[6], qw[7],
+                                          qw[8], qw[9], qw[10], qw[11], luts[0], luts[1], luts[2], luts[3]], dtype=tl.int32, is_pure=True,
                                          pack=1)
-
-
-@triton.jit
-def nonfinite_part(q_row, w0, w1, scale, g, NG: tl.constexpr):
-    """Per key: the sum over the pair's ±inf / NaN q elements of q × key value (float32: ±inf or NaN, as the
-    reference's products give), for rows the integer split left them out of."""
-    off = g[:, None] * 16 + tl.arange(0, 8)[None, :]
-    qa = tl.load(q_row + off).to(tl.float32)
-    qb = tl.load(q_row + off + 8).to(tl.float32)
-    qa = tl.where(tl.abs(qa) < float("inf"), 0.0, qa)[None, :, :]
-    qb = tl.where(tl.abs(qb) < float("inf"), 0.0, qb)[None, :, :]
-    sa = slices8(qa)
-    sb = slices8(qb)
-    part = tl.zeros(w0.shape, tl.float32)
-    for k in tl.static_range(8):
-        part += e2m1_nibble_tiny(w0, k) * sa[k] + e2m1_nibble_tiny(w1, k) * sb[k]
-    return tl.sum(part * scale, axis=1)

@@ -284,7 +284,7 @@ def test_int8_dp4a_ptx_program(rng: torch.Generator) -> None:
         qw = [sum((parts[p][4 * i + j] & 255) << (8 * j) for j in range(4)) for p in range(3) for i in range(4)]
         vals = [two_v[(w[e // 8] >> (4 * (e % 8))) & 15] for e in range(16)]
         h, m, lo = (sum(v * q for v, q in zip(vals, parts[p])) for p in range(3))
-        assert _run_ptx(asm, [w[0], w[1], *qw]) == (h * 128 + m) * 128 + lo
+        assert _run_ptx(asm, [w[0], w[1], *qw, *msa_indexer_int8.LUTS]) == (h * 128 + m) * 128 + lo
 
 
 PREFILL_CASES = [
