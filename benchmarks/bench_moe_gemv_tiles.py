@@ -23,7 +23,7 @@ from m3c.model_defs import quant
 
 
 def variants(t: int) -> list[mp.Tiles]:
-    """Decode tilings to try at t tokens: the default 1-row GEMV tiles (CUDA-core FMAs) and the weight-stationary
+    """Decode tilings to try at t tokens: 1-row GEMV tiles (CUDA-core FMAs; the default and the previous one) and the weight-stationary
     tensor-core "swap" tiles (``moe_swap``: bn weight rows × 16 tokens) over rows per program, warps, K step and
     load pipelining (``pipe`` 0: next step's bytes in registers; n: Triton's pipeliner, n stages)."""
     def g(bm: int, bn1: int, bn2: int, bk: int, w: int, pipe: int) -> mp.Tiles:
@@ -31,7 +31,7 @@ def variants(t: int) -> list[mp.Tiles]:
 
     def sw(bn: int, bk: int, w: int, pipe: int, bm: int = 16) -> mp.Tiles:
         return mp.Tiles(bm, bn, bn, bk, w, 1, 16, 256, 4, swap=True, pipe=pipe)
-    out = [g(1, 16, 16, 128, 4, 0)] if t <= 4 else []  # (2-row tiles, 2 steps ahead, "wide": lost, sessions 10-12)
+    out = [g(1, 16, 16, 64, 2, 0), g(1, 16, 16, 128, 4, 0)] if t <= 4 else []  # (2-row tiles, 2 steps ahead, "wide": lost, sessions 10-12)
     out += [sw(64, 128, 4, 3), sw(64, 128, 4, 6), sw(64, 128, 4, 8), sw(64, 256, 4, 4), sw(128, 64, 4, 3),
             sw(128, 64, 4, 6), sw(128, 128, 8, 4), sw(32, 128, 2, 6)]
     return out

@@ -543,7 +543,7 @@ class Tiles:
     bh: int = 256
     cwarps: int = 4
     gemv: bool = False  # CUDA-core FMA tiles (bm <= 4 rows: weights decoded once per program, no MMA)
-    pipe: int = 0  # GEMV tiles: 0 = next step's bytes prefetched in registers; n > 1 = tl.range(num_stages=n)
+    pipe: int = 0  # GEMV / swap tiles: 0 = next step's bytes prefetched in registers; n > 1 = tl.range(num_stages=n)
     swap: bool = False  # weight-stationary tensor-core tiles (decode): bn weight rows × bm tokens, moe_swap
 
 
@@ -805,6 +805,10 @@ def _check_tiles(lay: Layout, tiles: Tiles) -> None:
         if min(tiles.bn1, tiles.bn2) < 16 or tiles.bk < 32:
             bad.append(f"swap tiles need bn1, bn2 >= 16 and bk >= 32 (MMA shapes), got {tiles.bn1}, {tiles.bn2}, "
                        f"{tiles.bk}")
+        ptx = lay.w13_fmt == "nvfp4" and lay.act_dtype == "bf16" and not interpreting()
+        if ptx and min(tiles.bn1, tiles.bn2) * tiles.bk < 256 * tiles.warps:  # the PTX decodes 4 code bytes a call
+            bad.append(f"swap tiles need bn · bk / 2 >= 4 code bytes per thread (bn1, bn2 = {tiles.bn1}, {tiles.bn2}, "
+                       f"bk = {tiles.bk}, {tiles.warps} warps)")
     if bad:
         raise ShapeError(f"tiling {tiles} does not fit hidden={h}, inter={i}, shared_inter={s}: " + "; ".join(bad))
 

@@ -12,10 +12,12 @@ NVFP4 decode (bf16 dots, ~2.5 instructions per weight): four code bytes (8 weigh
 group) give two bf16x2 registers of low nibbles and two of high nibbles by constant shifts and masks — the
 nibble's bits placed as sign + lowest exponent bits + top mantissa bit, so every code (E2M1 e = 0 on
 subnormals too) reads as value × 2^-126 — then one ``mul.rn.bf16x2`` by the group's E4M3 scale × 2^117 makes
-each weight value × scale × 2^-9, exactly (<= 6 significant bits; 2^-19 .. 2^12 in magnitude). The per-row
+each weight value × scale × 2^-9, exactly (<= 6 significant bits; 2^-19 .. 6·448·2^-9 ≈ 5.25 in magnitude). The per-row
 tensor scale × 2^9 is applied once to the accumulator. A register holds the nibbles 16 bits apart in the word
 (columns 8j + {0, 4}, {2, 6} low; {1, 5}, {3, 7} high), so the K order inside each 8-column group is
 permuted — the activation columns are loaded in the same order (``swap_cols``), which a dot does not notice.
+The PTX takes four consecutive code bytes per call: each thread must hold >= 4 of a step's bytes, i.e.
+bn · bk / 2 >= 4 · 32 · warps (``moe_prefill._check_tiles`` enforces it; the compile test checks the layout).
 float32 activations and Triton's interpreter (no PTX) take the same values from float32 arithmetic and IEEE
 dots, with the same permutation. MXFP8 / bf16 weights (the shared expert) use :func:`w_tile` (float32 decode,
 element order).

@@ -358,7 +358,8 @@ def _fma_loop(q_ptr, kd_ptr, ks_ptr, pos_ptr, bt_row, out_ptr, stride_qt, stride
             pairs = pairs + ((qw, d1, d2, pos, valid, out_ptr + (tok * G + i % G) * MB),)  # noqa: RUF005
         else:
             pairs = pairs + (_fma_pair(q_row, q_off, pos, valid, out_ptr + (tok * G + i % G) * MB),)  # noqa: RUF005
-    zero = tl.minimum(c_lo, 0).to(tl.int32)  # 0 (a chunk's first block), which the compilers cannot fold: so
+    zero = tl.minimum(c_lo, 0).to(tl.int32)  # 0 (a chunk's first block), which the compilers cannot fold (unless
+    # chunk_blocks == 1 is specialized: tiny tables, where immediates cost only speed), so
     luts = (zero + LUT_P0, zero + LUT_P1, zero + LUT_N0, zero + LUT_N1)  # the "int8" tables stay in registers
     if FS == 0:  # register prefetch: a step's keys load while the step before computes (one step per block)
         tl.static_assert(SUB == 1, "register prefetch needs FK >= BS")

@@ -218,6 +218,19 @@ def test_swap_tiles_match_reference(case: str, t: int | None, pipe: int, rng: to
     _check(out.cpu(), ref, act)
 
 
+def test_swap_tiles_need_four_code_bytes_per_thread(rng: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU path (bf16, NVFP4, no interpreter) a swap tiling whose threads would hold < 4 code bytes a step
+    is refused: its PTX would read undefined lanes."""
+    mp = _mp()
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(2, 128, 64, 8, 2, 64, "nvfp4", "mxfp8", rng)
+    lay = mp._layout(x.bfloat16(), ids, wts, w13, w2, sh13, sh2)
+    monkeypatch.setattr(mp, "interpreting", lambda: False)
+    good = dataclasses.replace(mp._tile_options(lay, "swap", False), bn1=32, bn2=32, bk=32, warps=1)
+    mp._check_tiles(lay, good)  # 32 · 32 / 2 = 512 bytes over 32 threads
+    with pytest.raises(ShapeError, match="4 code bytes per thread"):
+        mp._check_tiles(lay, dataclasses.replace(good, bn1=16, bn2=16, warps=4))
+
+
 def test_rejects_tilings_that_do_not_fit(rng: torch.Generator) -> None:
     """Explicit tilings (benchmarks) are checked: GEMV tiles of 1, 2 or 4 rows only, swap tiles of MMA shapes,
     tiles dividing the dims."""
@@ -311,6 +324,7 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
     assert all("cp.async" not in b.stages["ptx"] for b in built[-6:-4])  # GEMV pipe 0: register prefetch only
     for b in built[-4:-2]:  # swap tiles: NVFP4 decoded by the PTX (bf16x2 scale multiplies), wgmma, cp.async
         assert all(op in b.stages["ptx"] for op in ("mul.rn.bf16x2", "wgmma.mma_async", "cp.async")), b.name
+        assert _asm_bytes_per_thread(b.stages["ttgir"]) % 4 == 0, b.name  # the PTX reads 4 consecutive code bytes
     built = built[:-2]
     assert sorted(b.name for b in built) == sorted(["moe_combine_kernel"] + ["moe_fc1_kernel", "moe_fc2_kernel"] * 3)
     for b, sp in zip(built, large + gemv + swap):
@@ -318,6 +332,17 @@ def test_launched_specs_are_listed_and_compile(monkeypatch: pytest.MonkeyPatch) 
             assert b.binary and ("wgmma.mma_async" in b.stages["ptx"]) != bool(sp.constexprs["GEMV"]), b.name
         spills = _ptxas_spills(b.stages["ptx"])
         assert spills in (None, 0), f"{b.name} spills {spills} bytes"
+
+
+def _asm_bytes_per_thread(ttgir: str) -> int:
+    """Consecutive elements per thread (last dim) of the swap decode's inline-asm operands: the smallest over its
+    calls (the PTX decodes four packed code bytes, so anything but a multiple of 4 would feed it undefined lanes)."""
+    import re
+
+    layouts = dict(re.findall(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\]", ttgir, re.M))
+    calls = [line for line in ttgir.splitlines() if "elementwise_inline_asm" in line and "bf16x2" in line]
+    assert calls, "no swap decode asm found"
+    return min(int(layouts[enc].split(",")[-1]) for line in calls for enc in re.findall(r"xi8, (#blocked\d*)>", line))
 
 
 def _ptxas_spills(ptx: str) -> int | None:

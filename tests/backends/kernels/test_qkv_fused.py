@@ -116,9 +116,10 @@ def _check_bytes(rep: dict[str, float], key: str) -> None:
     its own order (GPU and interpreter alike), the reference in float64, so a value within ~1 ulp of a rounding
     boundary of the E4M3 scale or an E2M1 code can land on the other side (seen in the interpreter: rng
     seed 490894985, tiny-dense, 12 rows, fused: one K scale byte and 4 code bytes of 96 blocks)."""
-    limit = max(2, rep[f"{key}_blocks"] // 500)
+    blocks = rep[f"{key}_blocks"]
+    limit = max(2 if torch.cuda.is_available() else 1, blocks // 500)  # boundary blocks (a scale byte each)
     assert rep[f"{key}_scale_diff"] <= limit, rep
-    assert rep[f"{key}_byte_diff"] <= 8 * limit + rep[f"{key}_blocks"] // 50, rep
+    assert rep[f"{key}_byte_diff"] <= 8 * limit + blocks // 50, rep  # their 8 code bytes, plus code boundaries
 
 
 @pytest.mark.gpu
