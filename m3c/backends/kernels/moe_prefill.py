@@ -89,7 +89,7 @@ from m3c.backends.kernels.fp_codes import (
     to_stored,
 )
 from m3c.backends.kernels.host import derived, interpreting
-from m3c.backends.kernels.moe_operands import dot_nt, dot_operand, w_tile
+from m3c.backends.kernels.moe_operands import a_tile, dot_nt, row_factor, w_tile
 from m3c.backends.kernels.moe_routing import expert_permutation
 from m3c.backends.kernels.moe_swap import fc1_swap, fc2_swap
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
@@ -107,20 +107,6 @@ POISON_WORKSPACES = False  # tests: fill act / y with NaN before the launches, s
 
 
 @triton.jit
-def _row_mul(g_ptr, rows, FMT: tl.constexpr):
-    """Per output column factor of the accumulator: NVFP4's per-row tensor scale × 2^7, else 1."""
-    if FMT == 2:
-        return tl.load(g_ptr + rows) * 128.0
-    return tl.full(rows.shape, 1.0, tl.float32)
-
-
-@triton.jit
-def _a_tile(row_ptrs, cols, valid, DOT_F32: tl.constexpr):
-    """Activation rows (pointers [BM, 1]) × columns `cols` as the dot's A operand (float32 or bf16); 0 past T."""
-    return dot_operand(tl.load(row_ptrs + cols[None, :], mask=valid[:, None], other=0.0), DOT_F32)
-
-
-@triton.jit
 def _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_rows, H: tl.constexpr,
               N: tl.constexpr, FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               DOT_F32: tl.constexpr):
@@ -132,13 +118,13 @@ def _fc1_tile(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, H, BK):
-        xt = _a_tile(xrow, k0 + kk, valid, DOT_F32)
+        xt = a_tile(xrow, k0 + kk, valid, DOT_F32)
         wg = w_tile(wd_ptr, ws_ptr, rg, k0, H, FMT, BN, BK, DOT_F32)
         acc_g = dot_nt(xt, wg, acc_g, DOT_F32)
         wu = w_tile(wd_ptr, ws_ptr, ru, k0, H, FMT, BN, BK, DOT_F32)
         acc_u = dot_nt(xt, wu, acc_u, DOT_F32)
-    g = acc_g * _row_mul(wg_ptr, rg, FMT)[None, :]
-    u = acc_u * _row_mul(wg_ptr, ru, FMT)[None, :]
+    g = acc_g * row_factor(wg_ptr, rg, FMT, 128.0)[None, :]
+    u = acc_u * row_factor(wg_ptr, ru, FMT, 128.0)[None, :]
     a = g * tl.sigmoid(g) * u
     cols = n0 + tl.arange(0, BN)
     ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * N + cols[None, :]
@@ -155,10 +141,10 @@ def _fc2_tile(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
     kk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        at = _a_tile(arow, k0 + kk, valid, DOT_F32)
+        at = a_tile(arow, k0 + kk, valid, DOT_F32)
         w = w_tile(wd_ptr, ws_ptr, rw, k0, K, FMT, BN, BK, DOT_F32)
         acc = dot_nt(at, w, acc, DOT_F32)
-    acc = acc * _row_mul(wg_ptr, rw, FMT)[None, :] * wt[:, None]
+    acc = acc * row_factor(wg_ptr, rw, FMT, 128.0)[None, :] * wt[:, None]
     cols = n0 + tl.arange(0, BN)
     ptrs = y_ptr + yrows.to(tl.int64)[:, None] * H + cols[None, :]
     tl.store(ptrs, to_stored(acc, y_ptr.dtype.element_ty), mask=valid[:, None])
@@ -201,7 +187,7 @@ def _gemv_load(d_ptr, s_ptr, rows, k0, K: tl.constexpr, FMT: tl.constexpr, G: tl
 def _gemv_w(data, sb, FMT: tl.constexpr):
     """`_gemv_load`'s bytes as float32 weights [BN, G, 2, 8] (column 16g + 8h + p at [:, g, h, p]).
 
-    NVFP4 (FMT 2) comes × 2^-7 and without its per-row scale (see `_row_mul`): each 32-bit word of codes
+    NVFP4 (FMT 2) comes × 2^-7 and without its per-row scale (see ``row_factor``): each 32-bit word of codes
     (8 nibbles, column order) is decoded with constant shifts, no byte extraction; MXFP8 (1) and bf16 (0)
     are exact values.
     """
@@ -322,8 +308,8 @@ def _fc1_gemv(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_
             g0, u0, g1, u1, g2, u2, g3, u3 = _fc1_rows_step(g0, u0, g1, u1, g2, u2, g3, u3, _gemv_w(gd, gs, FMT),
                                                             _gemv_w(ud, us, FMT), x0, x1, x2, x3, k0, BM, G)
             gd, gs, ud, us = gd_n, gs_n, ud_n, us_n
-    mg = _row_mul(wg_ptr, rg, FMT)
-    mu = _row_mul(wg_ptr, ru, FMT)
+    mg = row_factor(wg_ptr, rg, FMT, 128.0)
+    mu = row_factor(wg_ptr, ru, FMT, 128.0)
     cols = n0 + tl.arange(0, BN)
     _silu_mul_row(g0, u0, mg, mu, out_ptr, _lane(out_rows, 0), ok0, cols, N)
     if BM > 1:
@@ -369,7 +355,7 @@ def _fc2_gemv(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, 
             wd_n, ws_n = _gemv_load(wd_ptr, ws_ptr, rw, tl.minimum(k0 + BK, K - BK), K, FMT, G)
             c0, c1, c2, c3 = _fc2_rows_step(c0, c1, c2, c3, _gemv_w(wd, ws, FMT), a0, a1, a2, a3, k0, BM, G)
             wd, ws = wd_n, ws_n
-    m = _row_mul(wg_ptr, rw, FMT)
+    m = row_factor(wg_ptr, rw, FMT, 128.0)
     cols = n0 + tl.arange(0, BN)
     _scaled_row(c0, m, _lane(wt, 0), y_ptr, _lane(yrows, 0), ok0, cols, H)
     if BM > 1:

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, to_stored
-from m3c.backends.kernels.moe_operands import dot_nt, dot_operand, w_tile
+from m3c.backends.kernels.moe_operands import a_tile, dot_nt, nvfp4_bytes, row_factor, w_tile
 
 
 def _bf16_pair_asm(eem_shift: int, sign_shift: int) -> str:
@@ -69,14 +69,6 @@ def swap_cols(HB: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_bytes(d_ptr, s_ptr, rows, k0, K: tl.constexpr, BK: tl.constexpr):
-    """The packed codes [BN, BK/2] (uint8) and E4M3 scale bytes [BN, BK/16] of rows × columns [k0, k0 + BK)."""
-    codes = tl.load(d_ptr + rows[:, None] * (K // 2) + (k0 // 2 + tl.arange(0, BK // 2))[None, :])
-    sb = tl.load(s_ptr + rows[:, None] * (K // 16) + (k0 // 16 + tl.arange(0, BK // 16))[None, :])
-    return codes, sb
-
-
-@triton.jit
 def _perm4(v, BN: tl.constexpr, HB: tl.constexpr):
     """Elements (4j, 4j + 1, 4j + 2, 4j + 3) -> (4j, 4j + 2, 4j + 1, 4j + 3) along the last dim of [BN, HB]."""
     return tl.reshape(tl.permute(tl.reshape(v, [BN, HB // 4, 2, 2]), (0, 1, 3, 2)), [BN, HB])
@@ -104,15 +96,10 @@ def _nvfp4_halves(codes, sb, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.con
 
 
 @triton.jit
-def _x_halves(xrow, valid, k0, cols, DOT_F32: tl.constexpr):
-    """The tile's activation rows (pointers [BM, 1]) at columns k0 + cols / k0 + cols + 1: the dots' B operands."""
-    xl = tl.load(xrow + (k0 + cols)[None, :], mask=valid[:, None], other=0.0)
-    xh = tl.load(xrow + (k0 + cols + 1)[None, :], mask=valid[:, None], other=0.0)
-    return dot_operand(xl, DOT_F32), dot_operand(xh, DOT_F32)
-
-
-@triton.jit
-def _nvfp4_step(codes, sb, xl, xh, acc, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+def _nvfp4_step(codes, sb, xrow, valid, cols, acc, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + one K step: the decoded low / high nibbles against the activations at columns cols / cols + 1."""
+    xl = a_tile(xrow, cols, valid, DOT_F32)
+    xh = a_tile(xrow, cols + 1, valid, DOT_F32)
     lo, hi = _nvfp4_halves(codes, sb, BN, BK, DOT_F32)
     return dot_nt(hi, xh, dot_nt(lo, xl, acc, DOT_F32), DOT_F32)
 
@@ -124,36 +111,23 @@ def _gemm_rows(xrow, valid, d_ptr, s_ptr, rows, acc, K: tl.constexpr, FMT: tl.co
     if FMT == 2:
         cols = swap_cols(BK // 2)
         if PIPE == 0:
-            codes, sb = _nvfp4_bytes(d_ptr, s_ptr, rows, 0, K, BK)
+            codes, sb = nvfp4_bytes(d_ptr, s_ptr, rows, 0, K, BK)
             for k0 in range(0, K, BK):
-                codes_n, sb_n = _nvfp4_bytes(d_ptr, s_ptr, rows, tl.minimum(k0 + BK, K - BK), K, BK)
-                xl, xh = _x_halves(xrow, valid, k0, cols, DOT_F32)
-                acc = _nvfp4_step(codes, sb, xl, xh, acc, BN, BK, DOT_F32)
+                codes_n, sb_n = nvfp4_bytes(d_ptr, s_ptr, rows, tl.minimum(k0 + BK, K - BK), K, BK)
+                acc = _nvfp4_step(codes, sb, xrow, valid, k0 + cols, acc, BN, BK, DOT_F32)
                 codes = codes_n
                 sb = sb_n
         else:
             for k0 in tl.range(0, K, BK, num_stages=PIPE):
-                codes, sb = _nvfp4_bytes(d_ptr, s_ptr, rows, k0, K, BK)
-                xl, xh = _x_halves(xrow, valid, k0, cols, DOT_F32)
-                acc = _nvfp4_step(codes, sb, xl, xh, acc, BN, BK, DOT_F32)
+                codes, sb = nvfp4_bytes(d_ptr, s_ptr, rows, k0, K, BK)
+                acc = _nvfp4_step(codes, sb, xrow, valid, k0 + cols, acc, BN, BK, DOT_F32)
     else:
         kk = tl.arange(0, BK)
         NS: tl.constexpr = PIPE if PIPE > 1 else 1
         for k0 in tl.range(0, K, BK, num_stages=NS):
-            xt = dot_operand(tl.load(xrow + (k0 + kk)[None, :], mask=valid[:, None], other=0.0), DOT_F32)
-            acc = dot_nt(w_tile(d_ptr, s_ptr, rows, k0, K, FMT, BN, BK, DOT_F32), xt, acc, DOT_F32)
+            acc = dot_nt(w_tile(d_ptr, s_ptr, rows, k0, K, FMT, BN, BK, DOT_F32), a_tile(xrow, k0 + kk, valid, DOT_F32),
+                         acc, DOT_F32)
     return acc
-
-
-@triton.jit
-def _row_factor(g_ptr, rows, FMT: tl.constexpr):
-    """Per weight row factor of the accumulator: NVFP4's per-row tensor scale × 2^9 (the decode's 2^-9; MXFP8
-    and bf16 rows: 1) as a [BN, 1] column."""
-    if FMT == 2:
-        f = tl.load(g_ptr + rows) * 512.0
-    else:
-        f = tl.full(rows.shape, 1.0, tl.float32)
-    return f[:, None]
 
 
 @triton.jit
@@ -168,8 +142,8 @@ def fc1_swap(x_ptr, tok, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, out_ptr, out_r
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     g = _gemm_rows(xrow, valid, wd_ptr, ws_ptr, rg, acc, H, FMT, BN, BK, DOT_F32, PIPE)
     u = _gemm_rows(xrow, valid, wd_ptr, ws_ptr, ru, acc, H, FMT, BN, BK, DOT_F32, PIPE)
-    g = g * _row_factor(wg_ptr, rg, FMT)
-    u = u * _row_factor(wg_ptr, ru, FMT)
+    g = g * row_factor(wg_ptr, rg, FMT, 512.0)[:, None]
+    u = u * row_factor(wg_ptr, ru, FMT, 512.0)[:, None]
     a = g * tl.sigmoid(g) * u
     cols = n0 + tl.arange(0, BN)
     ptrs = out_ptr + out_rows.to(tl.int64)[None, :] * N + cols[:, None]
@@ -185,7 +159,7 @@ def fc2_swap(a_ptr, arows, valid, wd_ptr, ws_ptr, wg_ptr, row0, n0, wt, y_ptr, y
     arow = a_ptr + arows.to(tl.int64)[:, None] * K
     acc = _gemm_rows(arow, valid, wd_ptr, ws_ptr, rw, tl.zeros([BN, BM], dtype=tl.float32), K, FMT, BN, BK, DOT_F32,
                      PIPE)
-    acc = acc * _row_factor(wg_ptr, rw, FMT) * wt[None, :]
+    acc = acc * row_factor(wg_ptr, rw, FMT, 512.0)[:, None] * wt[None, :]
     cols = n0 + tl.arange(0, BN)
     ptrs = y_ptr + yrows.to(tl.int64)[None, :] * H + cols[:, None]
     tl.store(ptrs, to_stored(acc, y_ptr.dtype.element_ty), mask=valid[None, :])
