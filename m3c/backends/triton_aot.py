@@ -63,7 +63,13 @@ runtime's offline-compiled cubins (``m3c.runtime.cuda_launcher.CubinRunner``, fo
 
 
 def jit_run(spec: KernelSpec, grid: tuple[int, ...], args: Sequence[Any]) -> None:
-    """Launch `spec` through Triton's JIT (on the GPU, or in the interpreter under TRITON_INTERPRET=1)."""
+    """Launch `spec` through Triton's JIT (on the GPU, or in the interpreter under TRITON_INTERPRET=1); a CUDA C++
+    spec (:class:`m3c.backends.cuda_aot.CudaKernelSpec`) is compiled with nvcc at first use instead."""
+    if not isinstance(spec, KernelSpec):
+        from m3c.backends.cuda_aot import cuda_jit_run
+
+        cuda_jit_run(spec, grid, args)
+        return
     spec.fn[grid](*args, **spec.constexprs, num_warps=spec.num_warps, num_stages=spec.num_stages,
                   enable_fp_fusion=spec.enable_fp_fusion)
 
@@ -109,6 +115,13 @@ def compile_kernels(specs: list[KernelSpec], backend: str = "cuda", arch: int | 
     Under TRITON_INTERPRET=1 (where @triton.jit functions are interpreted and cannot be compiled) the
     children run without it; a single spec outside the interpreter compiles in this process.
     """
+    if any(not isinstance(s, KernelSpec) for s in specs):  # CUDA C++ specs: nvcc, in this process
+        from m3c.backends.cuda_aot import compile_cuda
+
+        triton_specs = [s for s in specs if isinstance(s, KernelSpec)]
+        done = iter(compile_kernels(triton_specs, backend, arch, warp_size, target_name))
+        sm = f"sm_{arch}a" if isinstance(arch, int) and arch >= 90 else f"sm_{arch}"
+        return [next(done) if isinstance(s, KernelSpec) else compile_cuda(s, sm, target_name) for s in specs]
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if not specs:
         return []

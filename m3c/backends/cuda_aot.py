@@ -1,0 +1,128 @@
+"""CUDA C++ kernels (what Triton cannot say: explicit MMA fragments, byte-permute decodes): their specification,
+offline compilation to cubin with nvcc, and a JIT runner that compiles at first use and launches through the driver.
+
+A :class:`CudaKernelSpec` stands where a Triton :class:`~m3c.backends.triton_aot.KernelSpec` does: it has a
+``family`` and a stable ``key()``, :func:`m3c.backends.triton_aot.compile_kernels` compiles it into the same
+:class:`~m3c.backends.triton_aot.CompiledKernel` (so artifacts and the runtime's ``CubinRunner`` take it
+unchanged), and :func:`m3c.backends.triton_aot.jit_run` launches it. Sources live next to their host launcher
+(``m3c/backends/kernels/cuda/*.cu``) and include no headers, so a bare nvcc compiles them (PyPI's
+``nvidia-cuda-nvcc`` on a CPU machine, the toolkit's on a GPU machine). Kernels take two trailing unused pointer
+arguments, as Triton's do, so one launcher serves both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from m3c.backends.triton_aot import CompiledKernel, KernelCompileError
+
+SOURCE_DIR = Path(__file__).parent / "kernels" / "cuda"
+
+
+@dataclass(frozen=True)
+class CudaKernelSpec:
+    """What to compile: a .cu source under ``kernels/cuda``, the extern "C" kernel in it, -D defines, the runtime
+    argument types (Triton signature strings, in order), the block size and the dynamic shared memory."""
+
+    family: str
+    source: str
+    kernel: str
+    arg_types: tuple[tuple[str, str], ...]  # (name, "*u8" / "i32" / "fp32"), in the kernel's order
+    defines: tuple[tuple[str, int], ...] = ()
+    num_warps: int = 4
+    shared_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # host-side facts (not part of the key)
+
+    def key(self) -> str:
+        """A stable name for this specialization (family + sha of the source text, kernel, defines, launch)."""
+        text = (SOURCE_DIR / self.source).read_bytes()
+        blob = json.dumps([self.family, self.source, hashlib.sha256(text).hexdigest(), self.kernel,
+                           list(self.arg_types), list(self.defines), self.num_warps, self.shared_bytes])
+        return f"{self.family}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def find_nvcc() -> str:
+    """The nvcc to use: $M3C_NVCC, PyPI's nvidia-cuda-nvcc, the one on PATH, or /usr/local/cuda's."""
+    env = os.environ.get("M3C_NVCC")
+    if env:
+        return env
+    try:
+        import nvidia  # the PyPI CUDA wheels' namespace package
+
+        for base in getattr(nvidia, "__path__", []):
+            for sub in ("cu13", "cuda_nvcc"):
+                p = Path(base) / sub / "bin" / "nvcc"
+                if p.exists():
+                    return str(p)
+    except ImportError:
+        pass
+    for p in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if p and Path(p).exists():
+            return p
+    raise KernelCompileError("no nvcc found for the CUDA C++ kernels: pip install nvidia-cuda-nvcc, or set M3C_NVCC "
+                             "to an nvcc binary (CUDA >= 12.8 for sm_90a / sm_100a)")
+
+
+def compile_cuda(spec: CudaKernelSpec, arch: str = "sm_90a", target_name: str = "hopper",
+                 keep_sass: bool = False) -> CompiledKernel:
+    """nvcc -cubin for `arch`; the CompiledKernel's stages hold the source (and the SASS with `keep_sass`)."""
+    src = SOURCE_DIR / spec.source
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "k.cubin"
+        cmd = [find_nvcc(), f"-arch={arch}", "-cubin", "-O3", "-std=c++17", "-o", str(out), str(src),
+               *[f"-D{k}={v}" for k, v in spec.defines]]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise KernelCompileError(f"{spec.family}: nvcc failed for {arch}:\n{' '.join(cmd)}\n{res.stderr[-3000:]}")
+        binary = out.read_bytes()
+        stages = {"cu": src.read_text()}
+        if keep_sass:
+            stages["sass"] = disassemble(binary)
+    names = [n for n, _ in spec.arg_types]
+    return CompiledKernel(spec.key(), spec.family, spec.kernel, binary, spec.shared_bytes, spec.num_warps, names,
+                          [t for _, t in spec.arg_types], target_name, stages)
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin (cuobjdump from Triton's wheel or the toolkit)."""
+    import triton
+
+    tools = [Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump", shutil.which("cuobjdump")]
+    tool = next((str(t) for t in tools if t and Path(t).exists()), None)
+    if tool is None:
+        raise KernelCompileError("no cuobjdump found to disassemble a cubin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
+    if res.returncode:
+        raise KernelCompileError(f"cuobjdump failed: {res.stderr[-2000:]}")
+    return res.stdout
+
+
+_LOADED: dict[str, Any] = {}
+
+
+def cuda_jit_run(spec: CudaKernelSpec, grid: tuple[int, ...], args: Sequence[Any]) -> None:
+    """Compile `spec` for this GPU at first use (cached per process), then launch it on the current stream."""
+    kernel = _LOADED.get(spec.key())
+    if kernel is None:
+        import torch
+
+        from m3c.backends.cuda_driver import CubinKernel
+
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+        ck = compile_cuda(spec, arch)
+        kernel = CubinKernel(ck.binary, ck.name, ck.shared_bytes, ck.num_warps, ck.arg_types)
+        _LOADED[spec.key()] = kernel
+    kernel(grid, *args)

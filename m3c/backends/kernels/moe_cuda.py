@@ -1,0 +1,187 @@
+"""MegaMoE decode on the tensor cores from CUDA C++ (``cuda/moe_decode_mma.cu``): 1 <= T <= 8 tokens.
+
+Why CUDA C++: every Triton decode tiling measured on the H200 sat at 20-26% of the NVFP4 byte floor; the decoded
+weights went through shared memory to reach the MMA and each weight cost 6-8.5 SASS instructions (Nsight Compute,
+benchmarks/RESULTS.md sessions 11-12). Here each thread loads its own bytes of a prepacked layout (one 16-byte
+load per 32 weights), turns them into the A fragments of ``mma.sync.m16n8k16`` f16 with byte permutes (``prmt``:
+E2M1 magnitude -> f16 high byte, sign bits OR-ed in) and one ``mul.f16x2`` by the block scale, and the tokens are
+the MMA's N (8 columns; 1-8 tokens cost the same MMA). ~2.3 SASS instructions per weight, 122 registers.
+
+Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
+1. ``moe_fc1``: CTAs over (touched expert slot | shared expert) x 128-row block x K split (KS = 2 when H allows);
+   each stages its K range of the tokens as f16 scaled by 2^-e per token (e from the token's max magnitude, so
+   f16's range never clips), then every warp streams two 16-row tiles: h[ks, pair, row] = partial sums.
+2. ``moe_fc2``: act = SiLU(gate) * up from h's splits (rounded to bf16 as the reference's bf16 model does), staged
+   the same way, times W2 (routed NVFP4 or the MXFP8 shared expert), times the routing weight: y[pair, :].
+3. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared row), in a fixed order (deterministic).
+Touched experts are found on the device from topk_ids (the CTAs of unused slots exit at once).
+
+Prepacked layouts (:func:`prepack_nvfp4`, :func:`prepack_mxfp8`; built once per weight, cached on the tensor):
+rows in tiles of 16 (row 16 t + 8 h + g), lanes 4 g + j. NVFP4: K in super-chunks of 256 = 4 chunks of 64;
+chunk c, lane j covers the scale group q = 4c + j (16 K values) in 4 MMA steps of 4 K (k = 16q + 4s + e); codes
+``[tile][sc][c][lane][s]`` u32 words, each holding rows g and g + 8 x e = 0..3 (magnitudes: nibble i -> e = i % 2,
+h = i // 2 for e < 2, nibble 4 + i for e >= 2; signs at bits 8i + 7 / 8i + 3), scales ``[tile][sc][lane][c][h]``.
+Each MMA step sums 4 lanes' different groups, so the scale multiplies the decoded weights (exact in f16:
+value x scale has <= 5 significant bits, 2^-10 .. 2688). MXFP8: super-chunks of 128 = 8 steps of 16 K, step q
+lane j k = 16q + 4j + e (one E8M0 group per step: the scale multiplies the MMA's f32 result); codes
+``[tile][sc][q // 2][lane][q % 2][e // 2][h][e % 2]`` bytes; scales in their natural [rows, K / 32] layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from m3c.backends.cuda_aot import CudaKernelSpec
+from m3c.backends.kernels.host import derived
+from m3c.backends.triton_aot import Runner, jit_run
+from m3c.errors import ShapeError
+from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
+
+SOURCE = "moe_decode_mma.cu"
+WARPS = 4
+MAX_TOKENS = 8
+DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
+_ROWS_PER_CTA = 32 * WARPS
+
+
+def _k_split(hidden: int) -> int:
+    """FC1's K splits: 2 when each half is whole 256-wide super-chunks (more warps in flight), else 1."""
+    return 2 if hidden % 512 == 0 else 1
+
+
+def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
+                  w13_fmt: str, shared_fmt: str | None, tokens: int) -> str | None:
+    """None if the CUDA decode kernels take this layout and token count, else the reason."""
+    if w13_fmt != "nvfp4":
+        return f"routed experts are {w13_fmt}: the CUDA decode kernels take NVFP4"
+    if shared_fmt not in (None, "none", "mxfp8"):
+        return f"shared expert is {shared_fmt}: the CUDA decode kernels take MXFP8 or none"
+    if act_dtype not in ("bf16", "fp32"):
+        return f"activations are {act_dtype}: bf16 or float32 only"
+    if not 1 <= tokens <= MAX_TOKENS:
+        return f"T = {tokens}: the CUDA decode kernels take 1..{MAX_TOKENS} tokens"
+    if experts > 1024 or top_k > 64:
+        return f"{experts} experts, top-{top_k}: at most 1024 experts and top-64"
+    if hidden % 256 or inter % 256 or hidden % _ROWS_PER_CTA or (2 * inter) % _ROWS_PER_CTA:
+        return f"H = {hidden}, I = {inter}: both must be multiples of 256 (and H, 2I of {_ROWS_PER_CTA})"
+    if shared_fmt == "mxfp8" and (shared_inter % 128 or (2 * shared_inter) % _ROWS_PER_CTA):
+        return f"shared I = {shared_inter}: must be a multiple of 128"
+    return None
+
+
+def _defines(act: str) -> tuple[tuple[str, int], ...]:
+    return (("WARPS", WARPS), ("NT", 1), ("ACT_BF16", int(act == "bf16")), ("DECODE", DECODE))
+
+
+def mma_specs(hidden: int, inter: int, shared_inter: int, act: str) -> tuple[CudaKernelSpec, CudaKernelSpec,
+                                                                              CudaKernelSpec]:
+    """(fc1, fc2, combine) CudaKernelSpecs for this layout (dynamic shared memory sized for 8 tokens)."""
+    d = _defines(act)
+    p, i = "*u8", "i32"
+    kc1 = hidden // _k_split(hidden)
+    fc1 = CudaKernelSpec("megamoe_mma", SOURCE, "moe_fc1", (
+        ("x", p), ("T", i), ("ids", p), ("topk", i), ("E", i), ("n_slots", i), ("rcode", p), ("rscale", p),
+        ("rrow", p), ("rows", i), ("scode", p), ("sscale", p), ("srows", i), ("H", i), ("KS", i), ("h", p),
+        ("P", i), ("ROWS", i)), d, WARPS, MAX_TOKENS * (kc1 + 4) * 2)
+    fc2 = CudaKernelSpec("megamoe_mma", SOURCE, "moe_fc2", (
+        ("h", p), ("KS1", i), ("T", i), ("ids", p), ("wts", p), ("topk", i), ("E", i), ("n_slots", i),
+        ("rcode", p), ("rscale", p), ("rrow", p), ("scode", p), ("sscale", p), ("I", i), ("S", i), ("H", i),
+        ("P", i), ("ROWS", i), ("y", p)), d, WARPS, MAX_TOKENS * (max(inter, shared_inter) + 4) * 2)
+    comb = CudaKernelSpec("megamoe_mma", SOURCE, "moe_combine", (
+        ("y", p), ("T", i), ("topk", i), ("shared", i), ("H", i), ("out", p)), d, 8, 0)
+    return fc1, fc2, comb
+
+
+def prepack_nvfp4(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) uint8 in the kernel's NVFP4 layout (module docstring) from packed codes [..., N, K/2] and
+    E4M3 scales [..., N, K/16] (N a multiple of 16, K of 256)."""
+    rows = math.prod(data.shape[:-1])
+    k = data.shape[-1] * 2
+    if rows % 16 or k % 256 or tuple(scale.shape[:-1]) != tuple(data.shape[:-1]) or scale.shape[-1] * 16 != k:
+        raise ShapeError(f"prepack_nvfp4: codes {tuple(data.shape)} / scales {tuple(scale.shape)} must be "
+                         "[..., N, K/2] / [..., N, K/16] with N % 16 == 0 and K % 256 == 0")
+    d = data.reshape(rows, k // 2).to(torch.int64)
+    nib = torch.stack((d & 0xF, d >> 4), dim=-1).reshape(rows // 16, 2, 8, k // 256, 4, 4, 4, 4)
+    x = nib.permute(0, 3, 4, 2, 5, 6, 1, 7)  # tile, sc, c, g, j, s, h, e
+    a = x[..., 0:2].reshape(*x.shape[:-2], 4)  # byte i = (h, e) = (i // 2, i % 2)
+    b = x[..., 2:4].reshape(*x.shape[:-2], 4)  # byte i = (i // 2, 2 + i % 2)
+    i = torch.arange(4, device=data.device)
+    word = (((a & 7) << (4 * i)) | ((b & 7) << (16 + 4 * i)) | ((a >> 3) << (8 * i + 7))
+            | ((b >> 3) << (8 * i + 3))).sum(dim=-1)
+    codes = word.to(torch.int64).bitwise_and(0xFFFFFFFF)
+    codes = torch.where(codes >= 2**31, codes - 2**32, codes).to(torch.int32).contiguous().view(torch.uint8)
+    s = scale.reshape(rows, k // 16).view(torch.uint8).reshape(rows // 16, 2, 8, k // 256, 4, 4)
+    scales = s.permute(0, 3, 2, 5, 4, 1).contiguous()  # tile, sc, g, j, c, h
+    return codes.reshape(-1), scales.reshape(-1)
+
+
+def prepack_mxfp8(data: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in the kernel's MXFP8 layout (module docstring) from E4M3 codes [..., N, K] (N % 16, K % 128)."""
+    rows = math.prod(data.shape[:-1])
+    k = data.shape[-1]
+    if rows % 16 or k % 128:
+        raise ShapeError(f"prepack_mxfp8: codes {tuple(data.shape)} need N % 16 == 0 and K % 128 == 0")
+    d = data.reshape(rows, k).view(torch.uint8).reshape(rows // 16, 2, 8, k // 128, 4, 2, 4, 2, 2)
+    # tile, h, g, sc, u, qq, j, ew, e2  ->  tile, sc, u, g, j, qq, ew, h, e2
+    return d.permute(0, 3, 4, 2, 6, 5, 7, 1, 8).contiguous().reshape(-1)
+
+
+def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: NVFP4Tensor,
+                   w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed NVFP4 experts (+ MXFP8 shared expert) for T <= 8 tokens: out [T, H] in x's dtype."""
+    from m3c.backends.kernels.moe_prefill import nvfp4_row_scales
+
+    t, hidden = x.shape
+    e, two_i = w13.data.shape[0], w13.data.shape[1]
+    inter, top_k = two_i // 2, topk_ids.shape[1]
+    shared = shared_w13 is not None
+    s = shared_w13.data.shape[0] // 2 if shared else 0
+    act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
+    why = mma_supported(hidden, inter, e, top_k, s, act, "nvfp4" if isinstance(w13, NVFP4Tensor) else "?",
+                        "mxfp8" if isinstance(shared_w13, MXFP8Tensor) else ("none" if not shared else "?"), t)
+    if why:
+        raise ShapeError(f"moe_decode_mma: {why}")
+    fc1, fc2, comb = mma_specs(hidden, inter, s, act)
+    c13, c2 = _packed_pair(w13), _packed_pair(w2)
+    g13 = nvfp4_row_scales(w13, (e, two_i), "w13")
+    g2 = nvfp4_row_scales(w2, (e, hidden), "w2")
+    if shared:
+        sc13 = derived(shared_w13.data, "mma prepack", lambda: prepack_mxfp8(shared_w13.data))
+        sc2 = derived(shared_w2.data, "mma prepack", lambda: prepack_mxfp8(shared_w2.data))
+        ss13, ss2 = shared_w13.scale.view(torch.uint8), shared_w2.scale.view(torch.uint8)
+    else:
+        sc13 = sc2 = ss13 = ss2 = c13[0]
+    ids = topk_ids.to(torch.int32).contiguous()
+    wts = topk_weights.to(torch.float32).contiguous()
+    ks = _k_split(hidden)
+    n_slots = min(e, t * top_k)
+    pairs = t * top_k + (t if shared else 0)
+    rows_ws = max(two_i, 2 * s)
+    h = torch.empty((ks, pairs, rows_ws), dtype=torch.float32, device=x.device)
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x) if out is None else out
+    xc = x.contiguous()
+    grid1 = ((n_slots * two_i // _ROWS_PER_CTA + 2 * s // _ROWS_PER_CTA) * ks,)
+    runner(fc1, grid1, [xc, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s, hidden, ks, h,
+                        pairs, rows_ws])
+    grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA if shared else 0),)
+    runner(fc2, grid2, [h, ks, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden, pairs,
+                        rows_ws, y])
+    runner(comb, (triton_cdiv(hidden, 256), t), [y, t, top_k, int(shared), hidden, out])
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """ceil(a / b)."""
+    return -(-a // b)
+
+
+def _packed_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prepacked (codes, scales) of an NVFP4 weight, built once per weight version."""
+    codes = derived(w.data, "mma prepack codes", lambda: prepack_nvfp4(w.data, w.scale)[0])
+    scales = derived(w.scale, "mma prepack scales", lambda: prepack_nvfp4(w.data, w.scale)[1])
+    return codes, scales

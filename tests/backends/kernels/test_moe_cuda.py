@@ -1,0 +1,145 @@
+"""The CUDA C++ MegaMoE decode: prepacked layouts (CPU: a Python twin of the kernel's loads and decode must give
+back every weight exactly), offline sm_90a compile and SASS (needs nvcc: PyPI's nvidia-cuda-nvcc is a test
+dependency), and the kernels on the GPU against the reference MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m3c.backends.cuda_aot import compile_cuda, disassemble
+from m3c.backends.kernels import moe_cuda
+from m3c.errors import ShapeError
+from m3c.model_defs import quant
+
+F16_HIGH = (0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46)  # f16 high bytes of 0, .5, 1, 1.5, 2, 3, 4, 6
+
+
+def _random_nvfp4(rows: int, k: int, gen: torch.Generator) -> quant.NVFP4Tensor:
+    w = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen).add(0.05)
+    w[0, :16] = 0.0  # a zero block (scale 0)
+    w[1, 16:32] *= 1e-4  # a tiny block (subnormal E4M3 scale)
+    return quant.nvfp4_quantize(w, None)
+
+
+def _f16_from_high(byte: torch.Tensor) -> torch.Tensor:
+    return (byte.to(torch.int32) << 8).to(torch.int16).view(torch.float16).to(torch.float32)
+
+
+def _emulate_nvfp4(codes: torch.Tensor, scales: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """What the kernel's gemv_nvfp4 feeds its MMAs, as a [rows, K] matrix: words read at the kernel's offsets
+    (tile, super-chunk, chunk, lane, step), prmt decode of decode_nvfp4 (DECODE 0), times the lane's scales."""
+    tiles, nsc = rows // 16, k // 256
+    words = codes.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = words.reshape(tiles, nsc, 4, 32, 4)  # tile, sc, c, lane, s
+    lut = torch.tensor(F16_HIGH, dtype=torch.int64)
+    m = words & 0x77777777
+    oa = [lut[(m >> (4 * i)) & 7] | (((words >> (8 * i + 7)) & 1) << 7) for i in range(4)]
+    ob = [lut[(m >> (16 + 4 * i)) & 7] | (((words >> (8 * i + 3)) & 1) << 7) for i in range(4)]
+    # A registers: a0 = (oa0, oa1) row g, k0 k1; a1 = (oa2, oa3) row g+8; a2 = (ob0, ob1) row g, k2 k3; a3 row g+8
+    vals = torch.stack([torch.stack([_f16_from_high(v) for v in (oa[0], oa[1], ob[0], ob[1])], -1),
+                        torch.stack([_f16_from_high(v) for v in (oa[2], oa[3], ob[2], ob[3])], -1)], -2)
+    # vals: tile, sc, c, lane, s, h, e
+    sc = scales.reshape(tiles, nsc, 32, 4, 2).view(torch.float8_e4m3fn).to(torch.float32)  # tile, sc, lane, c, h
+    vals = vals * sc.permute(0, 1, 3, 2, 4)[:, :, :, :, None, :, None]
+    vals = vals.reshape(tiles, nsc, 4, 8, 4, 4, 2, 4)  # tile, sc, c, g, j, s, h, e
+    return vals.permute(0, 6, 3, 1, 2, 4, 5, 7).reshape(rows, k)  # row = 16 tile + 8 h + g; k = 256sc+64c+16j+4s+e
+
+
+@pytest.mark.parametrize("rows,k", [(16, 256), (48, 512)])
+def test_prepack_nvfp4_twin_recovers_every_weight(rows: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    q = _random_nvfp4(rows, k, gen)
+    codes, scales = moe_cuda.prepack_nvfp4(q.data, q.scale)
+    assert codes.numel() == rows * k // 2 and scales.numel() == rows * k // 16
+    want = quant.e2m1_decode(quant.unpack_nibbles(q.data)) * q.scale.to(torch.float32).repeat_interleave(16, -1)
+    got = _emulate_nvfp4(codes, scales, rows, k)
+    assert torch.equal(got, want)
+    assert (want[2:] != 0).any() and (want < 0).any()  # signs and magnitudes both exercised
+
+
+def test_prepack_nvfp4_mutation_is_caught() -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    q = _random_nvfp4(16, 256, gen)
+    codes, scales = moe_cuda.prepack_nvfp4(q.data, q.scale)
+    want = quant.e2m1_decode(quant.unpack_nibbles(q.data)) * q.scale.to(torch.float32).repeat_interleave(16, -1)
+    bad = codes.clone()
+    bad[16 * 5 + 1] ^= 0x11  # nibbles 2, 3 of lane 5 step 0: row 9, k 16, 17 (not the zero / tiny blocks)
+    assert not torch.equal(_emulate_nvfp4(bad, scales, 16, 256), want)
+
+
+def test_prepack_mxfp8_layout() -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rows, k = 32, 256
+    data = torch.randint(0, 256, (rows, k), generator=gen, dtype=torch.uint8)
+    packed = moe_cuda.prepack_mxfp8(data.view(torch.float8_e4m3fn))
+    # the kernel's gemv_mxfp8: uint4 unit (q // 2) of lane (g, j); words w0 / w1 of step q at .x/.y (q even) or
+    # .z/.w (q odd); w0 = rows (g, g+8) x k (0, 1), w1 = x k (2, 3); k = 128 sc + 16 q + 4 j + e
+    b = packed.reshape(rows // 16, k // 128, 4, 32, 2, 2, 2, 2)  # tile, sc, u, lane, qq, ew, h, e2
+    for tile, sc, q, lane, e, h in [(0, 0, 0, 0, 0, 0), (1, 1, 7, 31, 3, 1), (0, 1, 5, 13, 2, 0), (1, 0, 2, 6, 1, 1)]:
+        g, j = lane // 4, lane % 4
+        got = b[tile, sc, q // 2, lane, q % 2, e // 2, h, e % 2]
+        assert got == data[16 * tile + 8 * h + g, 128 * sc + 16 * q + 4 * j + e]
+    assert torch.equal(packed.sort().values, data.reshape(-1).sort().values)  # a permutation: nothing lost
+
+
+def test_prepack_rejects_bad_shapes() -> None:
+    with pytest.raises(ShapeError, match="K % 256"):
+        moe_cuda.prepack_nvfp4(torch.zeros(16, 64, dtype=torch.uint8), torch.zeros(16, 8, dtype=torch.uint8))
+    with pytest.raises(ShapeError, match="N % 16"):
+        moe_cuda.prepack_mxfp8(torch.zeros(8, 128, dtype=torch.uint8))
+
+
+def test_supported_reasons() -> None:
+    assert moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 1) is None
+    assert "1..8" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 9)
+    assert "MXFP8 or none" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "bf16", 1)
+    assert "multiples of 256" in moe_cuda.mma_supported(6144 + 128, 1536, 64, 8, 1536, "bf16", "nvfp4", None, 1)
+
+
+def test_kernels_compile_for_sm90a_with_mma_and_prmt() -> None:
+    for spec in moe_cuda.mma_specs(6144, 1536, 1536, "bf16"):
+        ck = compile_cuda(spec, "sm_90a")
+        assert ck.binary[:4] == b"\x7fELF" and ck.name == spec.kernel
+        if spec.kernel == "moe_fc1":
+            sass = disassemble(ck.binary)
+            assert "HMMA.16816.F32" in sass and "PRMT" in sass and "HMUL2" in sass
+            assert "LDG.E.128" in sass or "LDG.E.EF.128" in sass or ".128" in sass
+
+
+def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str, act: torch.dtype):
+    from m3c.backends.kernels.moe_routing import moe_route
+    from m3c.fused.moe import MegaMoE, random_moe
+
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
+    moe = random_moe(hidden, inter, experts, top_k, shared, gen, device="cuda")
+    mm = MegaMoE.from_reference(moe)
+    x = torch.randn(t, hidden, generator=gen, device="cuda").to(act)
+    ids, w = moe_route(x, moe.gate.weight, moe.e_score_correction_bias, top_k=top_k,
+                       routed_scaling_factor=moe.cfg.routed_scaling_factor, norm_topk_prob=moe.cfg.norm_topk_prob)
+    return moe, mm, x, ids, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("shared", ["mxfp8", "none"])
+def test_moe_decode_mma_matches_reference(t: int, shared: str) -> None:
+    moe, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, shared, torch.bfloat16)
+    w13, w2, s13, s2 = mm.weights()
+    out = torch.full_like(x, float("nan"))
+    moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2, out=out)
+    truth = moe(x.float())
+    assert torch.isfinite(out).all()
+    err = float((out.float() - truth).norm() / truth.norm())
+    assert err < 1.5e-2, err
+
+
+@pytest.mark.gpu
+def test_moe_decode_mma_float32_tokens_and_large_activations() -> None:
+    moe, mm, x, ids, w = _case(4, 1024, 256, 16, 4, "mxfp8", torch.float32)
+    x = x * 3e5  # past f16's range: the per-token power-of-two staging must keep it
+    w13, w2, s13, s2 = mm.weights()
+    out = moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2)
+    truth = moe(x)
+    err = float((out - truth).norm() / truth.norm())
+    assert err < 5e-3, err
