@@ -4,10 +4,12 @@ Semantics: ``megamoe(x, ...)`` equals ``m3c.model_defs.layers.MoE.forward(x)`` f
 experts are NVFP4 and whose shared expert (if any) is MXFP8 or bf16: sigmoid router + correction bias,
 stable top-k, normalized × scaled weights, SwiGLU experts, weighted combine, + shared expert.
 
-Dispatch (by measurement on the H200, benchmarks/RESULTS.md): the experts always run the grouped-GEMM
-kernels of :mod:`m3c.backends.kernels.moe_prefill` (NVFP4 decoded in the mainloop, the shared expert as
-extra tiles), which beat the one-launch decode kernel at every T from 2 to 64 and tied it at T = 1; for
-T <= 4 their CUDA-core GEMV tiles (172 vs 229 µs at T = 1), above that their tensor-core tiles.
+Dispatch (by measurement on the H200, benchmarks/RESULTS.md): on a CUDA device, T <= 16 tokens run the CUDA C++
+decode kernels of :mod:`m3c.backends.kernels.moe_cuda` (prepacked NVFP4 decoded by byte permutes straight into
+mma.sync fragments; T = 1: 61 vs 170 µs for the experts) where the layout allows them; otherwise the experts run
+the grouped-GEMM kernels of :mod:`m3c.backends.kernels.moe_prefill` (NVFP4 decoded in the mainloop, the shared
+expert as extra tiles): CUDA-core GEMV tiles for T <= 3, weight-stationary tensor-core tiles to 16, above that
+token tiles.
 Routing for T <= 64: the router GEMV (float32, cuBLAS) + ONE launch
 (:func:`m3c.backends.kernels.moe_routing.fused_route`, ~13 µs), which also makes the grouped GEMMs'
 permutation (expert-sorted pairs and offsets: no sort / search launches); above, or with ``exact_routing``, the
@@ -25,6 +27,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from m3c.backends.cuda_aot import CudaKernelSpec
+from m3c.backends.kernels.host import interpreting
+from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
+from m3c.backends.kernels.moe_cuda import mma_specs, mma_supported, moe_decode_mma
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, moe_decode, shared_format
 from m3c.backends.kernels.moe_prefill import moe_prefill, moe_prefill_specs, moe_prefill_supported
 from m3c.backends.kernels.moe_routing import expert_segments, fused_route, gate_weight, moe_route, route_specs
@@ -60,16 +66,34 @@ def _prefill_fmt(shared_fmt: str) -> str | None:
 
 
 def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
-                  w13_fmt: str, shared_fmt: str | None) -> list[KernelSpec]:
-    """Every KernelSpec :func:`megamoe` launches for this layout by default (GPU settings): the routing
-    (3 token buckets × norm_topk_prob) and the grouped-GEMM kernels (``decode_kernel=True`` launches
+                  w13_fmt: str, shared_fmt: str | None) -> list[KernelSpec | CudaKernelSpec]:
+    """Every kernel spec :func:`megamoe` launches for this layout by default (GPU settings): the routing
+    (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 16 where the layout allows them (both
+    MMA column-tile counts) and the grouped-GEMM kernels (``decode_kernel=True`` launches
     :func:`m3c.backends.kernels.moe_decode.decode_specs` too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
     why = megamoe_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt)
     if why is not None:
         raise ShapeError(f"MegaMoE does not support this layout: {why}")
-    return route_specs(experts, top_k) + list(moe_prefill_specs(hidden, inter, experts, top_k, shared_inter,
-                                                                 act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))
+    mma: list[CudaKernelSpec] = []
+    if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, 1) is None:
+        mma = [*mma_specs(hidden, inter, shared_inter, act_dtype, 1), *mma_specs(hidden, inter, shared_inter,
+                                                                               act_dtype, 2)]
+    return route_specs(experts, top_k) + mma + list(moe_prefill_specs(
+        hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))
+
+
+def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
+    """Whether the CUDA C++ decode kernels take this call (a CUDA device, T <= 16, NVFP4 experts, MXFP8 / no shared
+    expert, a layout they support)."""
+    if not x.is_cuda or interpreting() or x.shape[0] > MMA_MAX_TOKENS or not isinstance(w13, quant.NVFP4Tensor):
+        return False
+    if shared_w13 is not None and not isinstance(shared_w13, quant.MXFP8Tensor):
+        return False
+    e, two_i, hidden = w13.shape
+    s = shared_w13.shape[0] // 2 if shared_w13 is not None else 0
+    act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
+    return mma_supported(hidden, two_i // 2, e, top_k, s, act, "nvfp4", "mxfp8" if s else None, x.shape[0]) is None
 
 
 def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, w13: quant.NVFP4Tensor,
@@ -85,10 +109,11 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     :func:`fused_route` (router GEMV + one launch; pass ``gate_w`` in float32 to skip a conversion);
     ``exact_routing`` (and every prefill batch) uses the torch routing, bitwise ``MoE.route``.
 
-    Which path: the grouped-GEMM (prefill) kernels run every T by default, because on the H200 they beat
-    the one-launch decode kernel at every T measured (m3.1-small, bf16: 230 vs 255 µs at T = 1, 855 vs
-    1,266 µs at 16, 1,044 vs 3,749 µs at 64; benchmarks/RESULTS.md). ``decode_kernel=True`` selects the
-    decode kernel for T <= 64 (kept for tuning: its in-register dequant is the bottleneck to remove).
+    Which path: on a CUDA device, T <= 16 runs the CUDA C++ decode kernels
+    (:func:`m3c.backends.kernels.moe_cuda.moe_decode_mma`: NVFP4 decoded by byte permutes into mma.sync fragments,
+    ~60% of the byte floor; 2.8x the Triton tiles at T = 1 on the H200, benchmarks/RESULTS.md) where the layout
+    allows them; otherwise the grouped-GEMM (prefill) kernels, which beat the one-launch Triton decode kernel at every
+    T measured. ``decode_kernel=True`` selects that decode kernel for T <= 64 (kept for tuning).
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
@@ -107,11 +132,15 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
         if decode_kernel:
             return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                               workspace=workspace)
+        if _mma_ok(x, w13, shared_w13, top_k):
+            return moe_decode_mma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
         return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                            permutation=(seg.sorted_pairs, seg.offsets))
     ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                              norm_topk_prob=norm_topk_prob)
     weights = weights.to(torch.float32)
+    if not decode_kernel and _mma_ok(x, w13, shared_w13, top_k):
+        return moe_decode_mma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
     if decode_kernel and t <= MAX_DECODE_TOKENS:
         seg = expert_segments(ids, w13.data.shape[0])
         return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,

@@ -1,4 +1,4 @@
-"""MegaMoE decode on the tensor cores from CUDA C++ (``cuda/moe_decode_mma.cu``): 1 <= T <= 8 tokens.
+"""MegaMoE decode on the tensor cores from CUDA C++ (``cuda/moe_decode_mma.cu``): 1 <= T <= 16 tokens.
 
 Why CUDA C++: every Triton decode tiling measured on the H200 sat at 20-26% of the NVFP4 byte floor; the decoded
 weights went through shared memory to reach the MMA and each weight cost 6-8.5 SASS instructions (Nsight Compute,
@@ -8,12 +8,17 @@ E2M1 magnitude -> f16 high byte, sign bits OR-ed in) and one ``mul.f16x2`` by th
 the MMA's N (8 columns; 1-8 tokens cost the same MMA). ~2.3 SASS instructions per weight, 122 registers.
 
 Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
-1. ``moe_fc1``: CTAs over (touched expert slot | shared expert) x 128-row block x K split (KS = 2 when H allows);
-   each stages its K range of the tokens as f16 scaled by 2^-e per token (e from the token's max magnitude, so
-   f16's range never clips), then every warp streams two 16-row tiles: h[ks, pair, row] = partial sums.
-2. ``moe_fc2``: act = SiLU(gate) * up from h's splits (rounded to bf16 as the reference's bf16 model does), staged
-   the same way, times W2 (routed NVFP4 or the MXFP8 shared expert), times the routing weight: y[pair, :].
-3. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared row), in a fixed order (deterministic).
+1. ``moe_stage_x``: the tokens as f16 times 2^-e per token (e from the token's largest magnitude, so f16's range
+   never clips; the MMA's f32 result is scaled back).
+2. ``moe_fc1``: CTAs over (touched expert slot | shared expert) x 128-row block x K split (routed: 2 NT when H
+   allows; the shared expert's MXFP8 rows, twice the bytes, twice that); each copies its K range of the staged
+   tokens to shared memory, then every warp streams two 16-row tiles (the next 256-K super-chunk's 16-byte loads
+   in flight while one is decoded): h[ks, pair, row] = partial sums.
+3. ``moe_act``: act = SiLU(gate) * up from h's splits (rounded to bf16 as the reference's bf16 model does), staged
+   like the tokens, one CTA per (token, expert) pair.
+4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
+   y[ks, pair, :].
+5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic).
 Touched experts are found on the device from topk_ids (the CTAs of unused slots exit at once).
 
 Prepacked layouts (:func:`prepack_nvfp4`, :func:`prepack_mxfp8`; built once per weight, cached on the tensor):
@@ -42,14 +47,25 @@ from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 
 SOURCE = "moe_decode_mma.cu"
 WARPS = 4
-MAX_TOKENS = 8
+MAX_TOKENS = 16  # 1..8 tokens: one 8-column MMA tile (NT = 1); 9..16: two (NT = 2)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
+DEPTH = 2  # NVFP4 super-chunks in registers (2: one in flight while one is decoded; 3: two)
 _ROWS_PER_CTA = 32 * WARPS
 
 
-def _k_split(hidden: int) -> int:
-    """FC1's K splits: 2 when each half is whole 256-wide super-chunks (more warps in flight), else 1."""
-    return 2 if hidden % 512 == 0 else 1
+def _splits(hidden: int, shared_inter: int, nt: int) -> tuple[int, int, int]:
+    """(FC1 routed, FC1 shared, FC2 shared) K splits: more, shorter streams where K allows (each split a whole number
+    of super-chunks; 2 NT for FC1 keeps its staged tokens at <= 8 x H / 2 f16); the shared expert's MXFP8 rows hold
+    twice the bytes, so it gets twice the splits."""
+    ks1 = next(k for k in (2 * nt, nt, 1) if hidden % (256 * k) == 0)
+    ks1s = 2 * ks1 if hidden % (256 * ks1) == 0 else ks1
+    ks2s = 2 if shared_inter % 256 == 0 else 1
+    return ks1, ks1s, ks2s
+
+
+def _nt(tokens: int) -> int:
+    """8-token MMA column tiles for T tokens."""
+    return 1 if tokens <= 8 else 2
 
 
 def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
@@ -69,30 +85,32 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         return f"H = {hidden}, I = {inter}: both must be multiples of 256 (and H, 2I of {_ROWS_PER_CTA})"
     if shared_fmt == "mxfp8" and (shared_inter % 128 or (2 * shared_inter) % _ROWS_PER_CTA):
         return f"shared I = {shared_inter}: must be a multiple of 128"
+    if hidden > 16384 or max(inter, shared_inter) > 4096:
+        return f"H = {hidden}, I = {inter}, S = {shared_inter}: at most 16384 / 4096 / 4096 (staging buffers)"
     return None
 
 
-def _defines(act: str) -> tuple[tuple[str, int], ...]:
-    return (("WARPS", WARPS), ("NT", 1), ("ACT_BF16", int(act == "bf16")), ("DECODE", DECODE))
+def _defines(act: str, nt: int) -> tuple[tuple[str, int], ...]:
+    return (("WARPS", WARPS), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", DECODE), ("DEPTH", DEPTH))
 
 
-def mma_specs(hidden: int, inter: int, shared_inter: int, act: str) -> tuple[CudaKernelSpec, CudaKernelSpec,
-                                                                              CudaKernelSpec]:
-    """(fc1, fc2, combine) CudaKernelSpecs for this layout (dynamic shared memory sized for 8 tokens)."""
-    d = _defines(act)
+def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
+    """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens)."""
+    d = _defines(act, nt)
     p, i = "*u8", "i32"
-    kc1 = hidden // _k_split(hidden)
-    fc1 = CudaKernelSpec("megamoe_mma", SOURCE, "moe_fc1", (
-        ("x", p), ("T", i), ("ids", p), ("topk", i), ("E", i), ("n_slots", i), ("rcode", p), ("rscale", p),
-        ("rrow", p), ("rows", i), ("scode", p), ("sscale", p), ("srows", i), ("H", i), ("KS", i), ("h", p),
-        ("P", i), ("ROWS", i)), d, WARPS, MAX_TOKENS * (kc1 + 4) * 2)
-    fc2 = CudaKernelSpec("megamoe_mma", SOURCE, "moe_fc2", (
-        ("h", p), ("KS1", i), ("T", i), ("ids", p), ("wts", p), ("topk", i), ("E", i), ("n_slots", i),
-        ("rcode", p), ("rscale", p), ("rrow", p), ("scode", p), ("sscale", p), ("I", i), ("S", i), ("H", i),
-        ("P", i), ("ROWS", i), ("y", p)), d, WARPS, MAX_TOKENS * (max(inter, shared_inter) + 4) * 2)
-    comb = CudaKernelSpec("megamoe_mma", SOURCE, "moe_combine", (
-        ("y", p), ("T", i), ("topk", i), ("shared", i), ("H", i), ("out", p)), d, 8, 0)
-    return fc1, fc2, comb
+    ks1, _, _ = _splits(hidden, shared_inter, nt)
+
+    def spec(kernel: str, args: str, warps: int = WARPS, smem: int = 0) -> CudaKernelSpec:
+        types = tuple((a[1:], p) if a.startswith("*") else (a, i) for a in args.split())
+        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, types, d, warps, smem)
+
+    return (spec("moe_stage_x", "*x H *x16 *xmult", 8),
+            spec("moe_fc1", "*x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H KSr "
+                 "KSs *h P ROWS", WARPS, 8 * nt * (hidden // ks1 + 4) * 2),
+            spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 8),
+            spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
+                 "ROWS *y", WARPS, 8 * nt * (max(inter, shared_inter) + 4) * 2),
+            spec("moe_combine", "*y T topk KSs P H *out", 8))
 
 
 def prepack_nvfp4(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +150,11 @@ def prepack_mxfp8(data: torch.Tensor) -> torch.Tensor:
 def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: NVFP4Tensor,
                    w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed NVFP4 experts (+ MXFP8 shared expert) for T <= 8 tokens: out [T, H] in x's dtype."""
+    """Routed NVFP4 experts (+ MXFP8 shared expert) for T <= 16 tokens: out [T, H] in x's dtype (bf16 / float32).
+
+    ``topk_ids`` int64 / ``topk_weights`` float32 [T, k] (from :func:`~m3c.backends.kernels.moe_routing.fused_route`
+    or ``MoE.route``), ``w13`` NVFP4 [E, 2I, H], ``w2`` NVFP4 [E, H, I], the shared pair MXFP8 ([2S, H], [H, S])
+    or both None. Prepacked weights are built on first use and kept on the weight tensors (a second copy)."""
     from m3c.backends.kernels.moe_prefill import nvfp4_row_scales
 
     t, hidden = x.shape
@@ -145,7 +167,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                         "mxfp8" if isinstance(shared_w13, MXFP8Tensor) else ("none" if not shared else "?"), t)
     if why:
         raise ShapeError(f"moe_decode_mma: {why}")
-    fc1, fc2, comb = mma_specs(hidden, inter, s, act)
+    nt = _nt(t)
+    stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt)
     c13, c2 = _packed_pair(w13), _packed_pair(w2)
     g13 = nvfp4_row_scales(w13, (e, two_i), "w13")
     g2 = nvfp4_row_scales(w2, (e, hidden), "w2")
@@ -155,23 +178,30 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         ss13, ss2 = shared_w13.scale.view(torch.uint8), shared_w2.scale.view(torch.uint8)
     else:
         sc13 = sc2 = ss13 = ss2 = c13[0]
-    ids = topk_ids.to(torch.int32).contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
-    ks = _k_split(hidden)
+    ks1, ks1s, ks2s = _splits(hidden, s, nt)
     n_slots = min(e, t * top_k)
-    pairs = t * top_k + (t if shared else 0)
+    routed_pairs = t * top_k
+    pairs = routed_pairs + (t if shared else 0)
     rows_ws = max(two_i, 2 * s)
-    h = torch.empty((ks, pairs, rows_ws), dtype=torch.float32, device=x.device)
-    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    dev = x.device
+    x16 = torch.empty((t, hidden), dtype=torch.float16, device=dev)
+    xmult = torch.empty(t, dtype=torch.float32, device=dev)
+    h = torch.empty((max(ks1, ks1s), pairs, rows_ws), dtype=torch.float32, device=dev)
+    act16 = torch.empty((pairs, rows_ws // 2), dtype=torch.float16, device=dev)
+    amult = torch.empty(pairs, dtype=torch.float32, device=dev)
+    y = torch.empty((ks2s, pairs, hidden), dtype=torch.float32, device=dev)
     out = torch.empty_like(x) if out is None else out
-    xc = x.contiguous()
-    grid1 = ((n_slots * two_i // _ROWS_PER_CTA + 2 * s // _ROWS_PER_CTA) * ks,)
-    runner(fc1, grid1, [xc, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s, hidden, ks, h,
-                        pairs, rows_ws])
-    grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA if shared else 0),)
-    runner(fc2, grid2, [h, ks, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden, pairs,
-                        rows_ws, y])
-    runner(comb, (triton_cdiv(hidden, 256), t), [y, t, top_k, int(shared), hidden, out])
+    runner(stage_x, (t,), [x.contiguous(), hidden, x16, xmult])
+    grid1 = (n_slots * two_i // _ROWS_PER_CTA * ks1 + 2 * s // _ROWS_PER_CTA * ks1s,)
+    runner(fc1, grid1, [x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
+                        hidden, ks1, ks1s, h, pairs, rows_ws])
+    runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
+    grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s if shared else 0),)
+    runner(fc2, grid2, [act16, amult, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden,
+                        ks2s, pairs, rows_ws, y])
+    runner(comb, (triton_cdiv(hidden, 256), t), [y, t, top_k, ks2s if shared else 0, pairs, hidden, out])
     return out
 
 

@@ -92,7 +92,8 @@ def test_prepack_rejects_bad_shapes() -> None:
 
 def test_supported_reasons() -> None:
     assert moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 1) is None
-    assert "1..8" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 9)
+    assert moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 16) is None
+    assert "1..16" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 17)
     assert "MXFP8 or none" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "bf16", 1)
     assert "multiples of 256" in moe_cuda.mma_supported(6144 + 128, 1536, 64, 8, 1536, "bf16", "nvfp4", None, 1)
 
@@ -107,23 +108,26 @@ def test_kernels_compile_for_sm90a_with_mma_and_prmt() -> None:
             assert "LDG.E.128" in sass or "LDG.E.EF.128" in sass or ".128" in sass
 
 
-def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str, act: torch.dtype):
+def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str, act: torch.dtype,
+          x_scale: float = 1.0):
     from m3c.backends.kernels.moe_routing import moe_route
     from m3c.fused.moe import MegaMoE, random_moe
 
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
     moe = random_moe(hidden, inter, experts, top_k, shared, gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
-    x = torch.randn(t, hidden, generator=gen, device="cuda").to(act)
+    x = (torch.randn(t, hidden, generator=gen, device="cuda") * x_scale).to(act)
     ids, w = moe_route(x, moe.gate.weight, moe.e_score_correction_bias, top_k=top_k,
                        routed_scaling_factor=moe.cfg.routed_scaling_factor, norm_topk_prob=moe.cfg.norm_topk_prob)
     return moe, mm, x, ids, w
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("t", [1, 3, 8, 13, 16])
 @pytest.mark.parametrize("shared", ["mxfp8", "none"])
-def test_moe_decode_mma_matches_reference(t: int, shared: str) -> None:
+def test_moe_decode_mma_matches_reference(t: int, shared: str, depth: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe_cuda, "DEPTH", depth)
     moe, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, shared, torch.bfloat16)
     w13, w2, s13, s2 = mm.weights()
     out = torch.full_like(x, float("nan"))
@@ -136,8 +140,8 @@ def test_moe_decode_mma_matches_reference(t: int, shared: str) -> None:
 
 @pytest.mark.gpu
 def test_moe_decode_mma_float32_tokens_and_large_activations() -> None:
-    moe, mm, x, ids, w = _case(4, 1024, 256, 16, 4, "mxfp8", torch.float32)
-    x = x * 3e5  # past f16's range: the per-token power-of-two staging must keep it
+    # tokens past f16's range (and FC1 outputs far past it): the per-row power-of-two staging must keep them
+    moe, mm, x, ids, w = _case(4, 1024, 256, 16, 4, "mxfp8", torch.float32, x_scale=3e5)
     w13, w2, s13, s2 = mm.weights()
     out = moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2)
     truth = moe(x)

@@ -2,7 +2,8 @@
 // once from a prepacked layout, decoded in registers straight into mma.sync m16n8k16 f16 A fragments (weights are
 // the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No headers: builds with a
 // bare nvcc (PyPI) or NVRTC. Compile-time settings: WARPS (warps per CTA), NT (8-token column tiles), ACT_BF16
-// (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt).
+// (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt), DEPTH.
+// Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine.
 #ifndef WARPS
 #define WARPS 4
 #endif
@@ -14,6 +15,9 @@
 #endif
 #ifndef DECODE
 #define DECODE 0
+#endif
+#ifndef DEPTH
+#define DEPTH 2    // NVFP4 super-chunks held in registers: 2 (one in flight) or 3 (two in flight)
 #endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 #define MAXT (8 * NT)
@@ -108,31 +112,121 @@ __device__ __forceinline__ float e8m0_float(u32 e) {
   return __uint_as_float(e == 0u ? 0x00400000u : (e == 255u ? 0x7FC00000u : e << 23));
 }
 
-struct Block {          // what one CTA works on
-  int expert;           // routed expert id, or -1 for the shared expert
-  int row0;             // first weight row of the CTA (within the expert's rows)
-  int ks;               // K split index
+// Down-scale 2^-e and up-scale 2^e (as floats) for a row whose largest magnitude is amax: amax * 2^-e lands in
+// [2^14, 2^15), inside f16's normal range (0 / inf / NaN rows: e = 0).
+__device__ __forceinline__ void pow2_scale(float amax, float& down, float& up) {
+  u32 bits = __float_as_uint(amax);
+  int e = (amax > 0.f && amax < 3.0e38f) ? (int)((bits >> 23) & 0xFF) - 127 - 14 : 0;
+  e = max(-100, min(100, e));
+  up = __uint_as_float((u32)(127 + e) << 23);
+  down = __uint_as_float((u32)(127 - e) << 23);
+}
+
+__device__ float block_max(float v, float* red) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v = fmaxf(v, red[w]);
+  __syncthreads();
+  return v;
+}
+
+// x16[n, :] = f16(x[n, :] * 2^-e(n)), xmult[n] = 2^e(n): one CTA per token.
+extern "C" __global__ void __launch_bounds__(256)
+moe_stage_x(const void* x, int H, u16* x16, float* xmult, void* scratch0, void* scratch1) {
+  __shared__ float red[8];
+  const int n = blockIdx.x;
+  float m = 0.f;
+  for (int k = threadIdx.x; k < H; k += 256) m = fmaxf(m, fabsf(load_act(x, (long)n * H + k)));
+  float down, up;
+  pow2_scale(block_max(m, red), down, up);
+  for (int k = 2 * threadIdx.x; k < H; k += 512)
+    *(u32*)(x16 + (long)n * H + k) =
+        f32x2_to_f16x2(load_act(x, (long)n * H + k) * down, load_act(x, (long)n * H + k + 1) * down);
+  if (threadIdx.x == 0) xmult[n] = up;
+}
+
+// act16[p, :K] = f16(SiLU(gate) * up * 2^-e(p)), amult[p] = 2^e(p), gate / up summed over FC1's K splits of pair p
+// (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits <= 8). One CTA
+// per pair; each thread keeps its (<= 8) value pairs in registers, so every load is issued up front.
+extern "C" __global__ void __launch_bounds__(256)
+moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int I, int S, u16* act16,
+        float* amult, void* scratch0, void* scratch1) {
+  __shared__ float red[8];
+  const int p = blockIdx.x;
+  const int K = p < routed_pairs ? I : S, splits = p < routed_pairs ? KSr : KSs;
+  const long split = (long)P * ROWS;
+  const float* hp = h + (long)p * ROWS;
+  float v[16];
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int k = 2 * (threadIdx.x + 256 * i);
+    float gs[2] = {0.f, 0.f}, us[2] = {0.f, 0.f};
+    if (k < K) {
+#pragma unroll
+      for (int s = 0; s < 8; ++s) {
+        if (s < splits) {
+          const float2 gv = *(const float2*)(hp + s * split + k), uv = *(const float2*)(hp + s * split + K + k);
+          gs[0] += gv.x;
+          gs[1] += gv.y;
+          us[0] += uv.x;
+          us[1] += uv.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
+      const float g = bf16_round(gs[e]), u = bf16_round(us[e]);
+      v[2 * i + e] = bf16_round(bf16_round(g / (1.f + __expf(-g))) * u);
+#else
+      v[2 * i + e] = gs[e] / (1.f + expf(-gs[e])) * us[e];
+#endif
+      m = fmaxf(m, fabsf(v[2 * i + e]));
+    }
+  }
+  float down, up;
+  pow2_scale(block_max(m, red), down, up);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int k = 2 * (threadIdx.x + 256 * i);
+    if (k < K) *(u32*)(act16 + (long)p * ROWS / 2 + k) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
+  }
+  if (threadIdx.x == 0) amult[p] = up;
+}
+
+struct Block {   // what one CTA works on
+  int expert;    // routed expert id, or -1 for the shared expert
+  int row0;      // first weight row of the CTA (within the expert's rows)
+  int ks, KS;    // K split index and count
 };
 
-// The CTA's work item: (routed expert slot | shared) x row block x K split. Returns false if the slot is unused.
-__device__ bool find_block(Block& b, const int* ids, int n_ids, int E, int n_slots, int rows, int srows, int KS,
-                           u32* flags) {
+// The CTA's work item: routed (expert slot x row block x KSr splits) items first, then shared (row block x KSs
+// splits). Returns false if the item's expert slot is unused (fewer experts touched than slots).
+__device__ bool find_block(Block& b, const long long* ids, int n_ids, int E, int n_slots, int rows, int srows,
+                           int KSr, int KSs, u32* flags) {
   int item = blockIdx.x;
-  b.ks = item % KS;
-  item /= KS;
   const int per = rows / (32 * WARPS);
-  b.row0 = 0;
-  if (item >= n_slots * per) {
+  if (item >= n_slots * per * KSr) {
+    item -= n_slots * per * KSr;
     b.expert = -1;
-    b.row0 = (item - n_slots * per) * 32 * WARPS;
+    b.KS = KSs;
+    b.ks = item % KSs;
+    b.row0 = (item / KSs) * 32 * WARPS;
     return b.row0 < srows;
   }
+  b.KS = KSr;
+  b.ks = item % KSr;
+  item /= KSr;
   const int slot = item / per;
   b.row0 = (item % per) * 32 * WARPS;
   for (int i = threadIdx.x; i < (E + 31) / 32; i += blockDim.x) flags[i] = 0u;
   __syncthreads();
   for (int i = threadIdx.x; i < n_ids; i += blockDim.x) {
-    int e = ids[i];
+    long long e = ids[i];
     if (e >= 0 && e < E) atomicOr(&flags[e >> 5], 1u << (e & 31));
   }
   __syncthreads();
@@ -151,32 +245,36 @@ __device__ bool find_block(Block& b, const int* ids, int n_ids, int E, int n_slo
   return b.expert >= 0;
 }
 
-// Stage the CTA's activations [T, Kc] as f16 x 2^-e(token) into xs (row stride Kc + 4), 2^e in mult.
-// act(n, k) is computed by `Src`.
-template <class Src>
-__device__ void stage(const Src& src, int T, int Kc, u16* xs, float* mult, float* amax) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int n = warp; n < T; n += WARPS) {
-    float m = 0.f;
-    for (int k = lane; k < Kc; k += 32) m = fmaxf(m, fabsf(src(n, k)));
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) amax[n] = m;
-  }
-  __syncthreads();
+// Pair index (row of h / y) of token n for this block: routed -> n * topk + slot or -1, shared -> T * topk + n.
+__device__ void find_pairs(int* pair, const long long* ids, int T, int topk, int expert) {
   for (int n = threadIdx.x; n < T; n += blockDim.x) {
-    u32 bits = __float_as_uint(amax[n]);
-    int e = (amax[n] > 0.f && amax[n] < 3.0e38f) ? (int)((bits >> 23) & 0xFF) - 127 - 14 : 0;
-    e = max(-100, min(100, e));
-    mult[n] = __uint_as_float((u32)(127 + e) << 23);
-    amax[n] = __uint_as_float((u32)(127 - e) << 23);  // now the down-scale factor
+    int p = -1;
+    if (expert < 0) {
+      p = T * topk + n;
+    } else {
+      for (int k = 0; k < topk; ++k)
+        if (ids[n * topk + k] == expert) { p = n * topk + k; break; }
+    }
+    pair[n] = p;
   }
   __syncthreads();
-  const int half = Kc / 2;
-  for (int i = threadIdx.x; i < T * half; i += blockDim.x) {
-    int n = i / half, k = (i - n * half) * 2;
-    float d = amax[n];
-    *(u32*)(xs + (long)n * (Kc + 4) + k) = f32x2_to_f16x2(src(n, k) * d, src(n, k + 1) * d);
+}
+
+// Copy rows src[row(n)][k0 : k0 + Kc] (f16, row stride ld) of the tokens n < T with row(n) >= 0 into xs (row
+// stride Kc + 4) and their up-scales into mult[n].
+__device__ void stage_rows(const u16* src, const float* src_mult, const int* rowof, int T, long ld, int k0, int Kc,
+                           u16* xs, float* mult) {
+  const int vec = Kc / 8;
+  for (int i = threadIdx.x; i < T * vec; i += blockDim.x) {
+    const int n = i / vec, v = i - n * vec;
+    const int r = rowof[n];
+    if (r < 0) continue;
+    const uint4 d = *(const uint4*)(src + r * ld + k0 + 8 * v);
+    uint2* dst = (uint2*)(xs + (long)n * (Kc + 4) + 8 * v);
+    dst[0] = make_uint2(d.x, d.y);
+    dst[1] = make_uint2(d.z, d.w);
   }
+  for (int n = threadIdx.x; n < T; n += blockDim.x) mult[n] = rowof[n] >= 0 ? src_mult[rowof[n]] : 0.f;
   __syncthreads();
 }
 
@@ -225,9 +323,9 @@ __device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint
   }
 }
 
-// acc[t][nt][4] += W[tile rows] . xs over this warp's K range (nsc super-chunks; two register buffers, the next
-// super-chunk's bytes in flight while this one is decoded). code / scale point at the warp's first tile's lane data
-// for this K split; tiles are tile_bytes / tile_sbytes apart.
+// acc[t][nt][4] += W[tile rows] . xs over this warp's K range: nsc super-chunks, DEPTH register buffers (DEPTH - 1
+// super-chunks in flight while one is decoded). code / scale point at the warp's first tile's lane data for this
+// K split; tiles are tile_bytes / tile_sbytes apart.
 __device__ void gemv_nvfp4(const u8* code, const u8* scale, long tile_bytes, long tile_sbytes, int nsc,
                            const u16* xs, int Kc, int T, float (*acc)[NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
@@ -237,6 +335,21 @@ __device__ void gemv_nvfp4(const u8* code, const u8* scale, long tile_bytes, lon
   uint4 ca[ROWT][4], cb[ROWT][4];
   uint2 sa[ROWT], sb[ROWT];
   load_nvfp4(ca, sa, code, scale, tile_bytes, tile_sbytes, 0);
+#if DEPTH == 3
+  uint4 cc[ROWT][4];
+  uint2 scc[ROWT];
+  if (nsc > 1) load_nvfp4(cb, sb, code, scale, tile_bytes, tile_sbytes, 1);
+  for (int sc = 0; sc < nsc; sc += 3) {
+    if (sc + 2 < nsc) load_nvfp4(cc, scc, code, scale, tile_bytes, tile_sbytes, sc + 2);
+    mma_nvfp4(ca, sa, sc, xrow, acc);
+    if (sc + 1 >= nsc) break;
+    if (sc + 3 < nsc) load_nvfp4(ca, sa, code, scale, tile_bytes, tile_sbytes, sc + 3);
+    mma_nvfp4(cb, sb, sc + 1, xrow, acc);
+    if (sc + 2 >= nsc) break;
+    if (sc + 4 < nsc) load_nvfp4(cb, sb, code, scale, tile_bytes, tile_sbytes, sc + 4);
+    mma_nvfp4(cc, scc, sc + 2, xrow, acc);
+  }
+#else
   for (int sc = 0; sc < nsc; sc += 2) {
     if (sc + 1 < nsc) load_nvfp4(cb, sb, code, scale, tile_bytes, tile_sbytes, sc + 1);
     mma_nvfp4(ca, sa, sc, xrow, acc);
@@ -244,97 +357,73 @@ __device__ void gemv_nvfp4(const u8* code, const u8* scale, long tile_bytes, lon
     if (sc + 2 < nsc) load_nvfp4(ca, sa, code, scale, tile_bytes, tile_sbytes, sc + 2);
     mma_nvfp4(cb, sb, sc + 1, xrow, acc);
   }
+#endif
 }
 
-// MXFP8: `scale` points at row g's E8M0 scales (natural layout, `srow` bytes a row) for this K split.
+// One super-chunk (128 K) of MXFP8 codes ([tile][super-chunk][unit][lane][16 B]) and the E8M0 scales of rows g and
+// g + 8 (natural layout: `scale` points at row g's scales for this K split, `srow` bytes a row).
+__device__ __forceinline__ void load_mxfp8(uint4 (&cw)[ROWT][4], uint2 (&sw)[ROWT], const u8* code, const u8* scale,
+                                           long tile_bytes, long tile_sbytes, int srow, int sc) {
+#pragma unroll
+  for (int t = 0; t < ROWT; ++t) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) cw[t][c] = ld_stream4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
+    sw[t].x = *(const u32*)(scale + t * tile_sbytes + sc * 4);              // row g: 4 groups of 32
+    sw[t].y = *(const u32*)(scale + t * tile_sbytes + 8L * srow + sc * 4);  // row g + 8
+  }
+}
+
+__device__ __forceinline__ void mma_mxfp8(const uint4 (&cw)[ROWT][4], const uint2 (&sw)[ROWT], int sc,
+                                          const u16* const (&xrow)[NT], float (*acc)[NT][4]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {  // 8 steps of 16 K: step q lane j covers k = 16 q + 4 j + 0..3 (one E8M0 group)
+    const int k = sc * 128 + q * 16;
+    u32 b[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      uint2 v = *(const uint2*)(xrow[nt] + k);
+      b[nt][0] = v.x;
+      b[nt][1] = v.y;
+    }
+#pragma unroll
+    for (int t = 0; t < ROWT; ++t) {
+      const uint4 v = cw[t][q >> 1];
+      u32 w0 = (q & 1) ? v.z : v.x, w1 = (q & 1) ? v.w : v.y;
+      float sg = e8m0_float((sw[t].x >> (8 * (q >> 1))) & 0xFFu);
+      float sg8 = e8m0_float((sw[t].y >> (8 * (q >> 1))) & 0xFFu);
+      u32 a0 = e4m3x2_lo(w0), a1 = e4m3x2_hi(w0), a2 = e4m3x2_lo(w1), a3 = e4m3x2_hi(w1);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma(d, a0, a1, a2, a3, b[nt][0], b[nt][1]);
+        acc[t][nt][0] += sg * d[0];
+        acc[t][nt][1] += sg * d[1];
+        acc[t][nt][2] += sg8 * d[2];
+        acc[t][nt][3] += sg8 * d[3];
+      }
+    }
+  }
+}
+
 __device__ void gemv_mxfp8(const u8* code, const u8* scale, long tile_bytes, long tile_sbytes, int srow, int nsc,
                            const u16* xs, int Kc, int T, float (*acc)[NT][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
   const u16* xrow[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xrow[nt] = xs + (long)min(g + 8 * nt, T - 1) * (Kc + 4) + 4 * j;
-  for (int sc = 0; sc < nsc; ++sc) {
-    uint4 cw[ROWT][4];
-    uint2 sw[ROWT];  // .x: row g, .y: row g + 8
-#pragma unroll
-    for (int t = 0; t < ROWT; ++t) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) cw[t][c] = ld_stream4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
-      sw[t].x = *(const u32*)(scale + t * tile_sbytes + sc * 4);                 // row g: 4 groups of 32
-      sw[t].y = *(const u32*)(scale + t * tile_sbytes + 8L * srow + sc * 4);     // row g + 8
-    }
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {           // 8 steps of 16 K: chunk q / 4, step q % 4
-      const int k = sc * 128 + q * 16;
-      u32 b[NT][2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint2 v = *(const uint2*)(xrow[nt] + k);
-        b[nt][0] = v.x;
-        b[nt][1] = v.y;
-      }
-#pragma unroll
-      for (int t = 0; t < ROWT; ++t) {
-        const uint4 v = cw[t][q >> 1];
-        u32 w0 = (q & 1) ? v.z : v.x, w1 = (q & 1) ? v.w : v.y;
-        float sg = e8m0_float((sw[t].x >> (8 * (q >> 1))) & 0xFFu);   // step q's group: q / 2
-        float sg8 = e8m0_float((sw[t].y >> (8 * (q >> 1))) & 0xFFu);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
-          mma(d, e4m3x2_lo(w0), e4m3x2_hi(w0), e4m3x2_lo(w1), e4m3x2_hi(w1), b[nt][0], b[nt][1]);
-          acc[t][nt][0] += sg * d[0];
-          acc[t][nt][1] += sg * d[1];
-          acc[t][nt][2] += sg8 * d[2];
-          acc[t][nt][3] += sg8 * d[3];
-        }
-      }
-    }
+  uint4 ca[ROWT][4], cb[ROWT][4];
+  uint2 sa[ROWT], sb[ROWT];
+  load_mxfp8(ca, sa, code, scale, tile_bytes, tile_sbytes, srow, 0);
+  for (int sc = 0; sc < nsc; sc += 2) {
+    if (sc + 1 < nsc) load_mxfp8(cb, sb, code, scale, tile_bytes, tile_sbytes, srow, sc + 1);
+    mma_mxfp8(ca, sa, sc, xrow, acc);
+    if (sc + 1 >= nsc) break;
+    if (sc + 2 < nsc) load_mxfp8(ca, sa, code, scale, tile_bytes, tile_sbytes, srow, sc + 2);
+    mma_mxfp8(cb, sb, sc + 1, xrow, acc);
   }
 }
 
-struct XSrc {  // FC1's input: the tokens' activations
-  const void* x; int H; int k0;
-  __device__ float operator()(int n, int k) const { return load_act(x, (long)n * H + k0 + k); }
-};
-struct ActSrc {  // FC2's input: SiLU(gate) * up from FC1's K-split partial sums (pair row p of h, -1: zeros)
-  const float* h; const int* pair; int KS; long split; int ROWS; int half;
-  __device__ float operator()(int n, int k) const {
-    int p = pair[n];
-    if (p < 0) return 0.f;
-    float gs = 0.f, us = 0.f;
-    for (int s = 0; s < KS; ++s) {
-      gs += h[s * split + (long)p * ROWS + k];
-      us += h[s * split + (long)p * ROWS + half + k];
-    }
-#if ACT_BF16
-    gs = bf16_round(gs);
-    us = bf16_round(us);
-    float sg = bf16_round(gs / (1.f + __expf(-gs)));
-    return bf16_round(sg * us);
-#else
-    return gs / (1.f + expf(-gs)) * us;
-#endif
-  }
-};
-
-// Pair index (row of h / y) of token n for this block: routed -> n * topk + slot or -1, shared -> T * topk + n.
-__device__ void find_pairs(int* pair, const int* ids, int T, int topk, int expert) {
-  for (int n = threadIdx.x; n < T; n += blockDim.x) {
-    int p = -1;
-    if (expert < 0) {
-      p = T * topk + n;
-    } else {
-      for (int k = 0; k < topk; ++k)
-        if (ids[n * topk + k] == expert) { p = n * topk + k; break; }
-    }
-    pair[n] = p;
-  }
-  __syncthreads();
-}
-
-// Shared work of both GEMV launches once xs is staged: the warp's two row tiles, then out[p, row] = acc * 2^e *
-// row factor * weight.
+// The warp's two row tiles over this block's K range, then out[p, row] = acc * 2^e * row factor * weight.
 __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, const u16* xs, const float* mult,
                           const int* pair, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode,
                           const u8* sscale, const float* wts, float* out, long out_stride) {
@@ -379,50 +468,52 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
 
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-moe_fc1(const void* x, int T, const int* ids, int topk, int E, int n_slots, const u8* rcode, const u8* rscale,
-        const float* rrow, int rows, const u8* scode, const u8* sscale, int srows, int H, int KS, float* h, int P,
-        int ROWS, void* scratch0, void* scratch1) {
+moe_fc1(const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E, int n_slots,
+        const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode, const u8* sscale, int srows,
+        int H, int KSr, int KSs, float* h, int P, int ROWS, void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32];
-  __shared__ float mult[MAXT], amax[MAXT];
-  __shared__ int pair[MAXT];
+  __shared__ float mult[MAXT];
+  __shared__ int pair[MAXT], rowof[MAXT];
   Block b;
-  if (!find_block(b, ids, T * topk, E, n_slots, rows, srows, KS, flags)) return;
+  if (!find_block(b, ids, T * topk, E, n_slots, rows, srows, KSr, KSs, flags)) return;
   find_pairs(pair, ids, T, topk, b.expert);
-  const int Kc = H / KS;
+  for (int n = threadIdx.x; n < T; n += blockDim.x) rowof[n] = n;
+  __syncthreads();
+  const int Kc = H / b.KS;
   u16* xs = (u16*)smem;
-  stage(XSrc{x, H, b.ks * Kc}, T, Kc, xs, mult, amax);
+  stage_rows(x16, xmult, rowof, T, H, b.ks * Kc, Kc, xs, mult);
   run_tiles(b, b.expert >= 0 ? rows : srows, H, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, nullptr,
             h + (long)b.ks * P * ROWS, ROWS);
 }
 
-// FC2: y[p, r] = weight(p) * W2[e, r] . act(p), act = SiLU(gate) * up from FC1's partial sums.
+// FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs).
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
-moe_fc2(const float* h, int KS1, int T, const int* ids, const float* wts, int topk, int E, int n_slots,
-        const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I, int S, int H,
-        int P, int ROWS, float* y,
-        void* scratch0, void* scratch1) {
+moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
+        int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
+        int S, int H, int KSs, int P, int ROWS, float* y, void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32];
-  __shared__ float mult[MAXT], amax[MAXT];
+  __shared__ float mult[MAXT];
   __shared__ int pair[MAXT];
   Block b;
-  if (!find_block(b, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, flags)) return;
+  if (!find_block(b, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
   find_pairs(pair, ids, T, topk, b.expert);
-  const int K = b.expert >= 0 ? I : S;
+  const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
   u16* xs = (u16*)smem;
-  stage(ActSrc{h, pair, KS1, (long)P * ROWS, ROWS, K}, T, K, xs, mult, amax);
-  run_tiles(b, H, K, K, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, b.expert >= 0 ? wts : nullptr, y, H);
+  stage_rows(act16, amult, pair, T, ROWS / 2, b.ks * Kc, Kc, xs, mult);
+  run_tiles(b, H, K, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, b.expert >= 0 ? wts : nullptr,
+            y + (long)b.ks * P * H, H);
 }
 
-// out[n, :] = sum_k y[n * topk + k, :] (+ y[T * topk + n, :] with a shared expert), in order.
+// out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits).
 extern "C" __global__ void __launch_bounds__(256)
-moe_combine(const float* y, int T, int topk, int shared, int H, void* out, void* scratch0, void* scratch1) {
+moe_combine(const float* y, int T, int topk, int KSs, int P, int H, void* out, void* scratch0, void* scratch1) {
   const int n = blockIdx.y;
   for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256) {
     float s = 0.f;
     for (int k = 0; k < topk; ++k) s += y[(long)(n * topk + k) * H + c];
-    if (shared) s += y[(long)(T * topk + n) * H + c];
+    for (int k = 0; k < KSs; ++k) s += y[((long)k * P + T * topk + n) * H + c];
 #if ACT_BF16
     u16 bits;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(s));
