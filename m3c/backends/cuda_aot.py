@@ -12,6 +12,7 @@ arguments, as Triton's do, so one launcher serves both.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -43,11 +44,21 @@ class CudaKernelSpec:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # host-side facts (not part of the key)
 
     def key(self) -> str:
-        """A stable name for this specialization (family + sha of the source text, kernel, defines, launch)."""
-        text = (SOURCE_DIR / self.source).read_bytes()
-        blob = json.dumps([self.family, self.source, hashlib.sha256(text).hexdigest(), self.kernel,
-                           list(self.arg_types), list(self.defines), self.num_warps, self.shared_bytes])
-        return f"{self.family}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+        """A stable name for this specialization (family + sha of the source text, kernel, defines, launch);
+        computed once per spec (launchers call it at every launch)."""
+        cached = self.__dict__.get("_key")
+        if cached is None:
+            blob = json.dumps([self.family, self.source, _source_sha(self.source), self.kernel,
+                               list(self.arg_types), list(self.defines), self.num_warps, self.shared_bytes])
+            cached = f"{self.family}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+            object.__setattr__(self, "_key", cached)  # frozen: specs are immutable, so the key is too
+        return cached
+
+
+@functools.cache
+def _source_sha(source: str) -> str:
+    """sha256 of a kernel source (read once per process)."""
+    return hashlib.sha256((SOURCE_DIR / source).read_bytes()).hexdigest()
 
 
 def find_nvcc() -> str:

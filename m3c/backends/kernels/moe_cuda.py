@@ -34,6 +34,7 @@ lane j k = 16q + 4j + e (one E8M0 group per step: the scale multiplies the MMA's
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -46,7 +47,7 @@ from m3c.errors import ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 
 SOURCE = "moe_decode_mma.cu"
-WARPS = 4
+WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supported assume it
 MAX_TOKENS = 16  # 1..8 tokens: one 8-column MMA tile (NT = 1); 9..16: two (NT = 2)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
 DEPTH = 2  # NVFP4 super-chunks in registers (2: one in flight while one is decoded; 3: two)
@@ -90,26 +91,28 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     return None
 
 
-def _defines(act: str, nt: int) -> tuple[tuple[str, int], ...]:
-    return (("WARPS", WARPS), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", DECODE), ("DEPTH", DEPTH))
-
-
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens)."""
-    d = _defines(act, nt)
+    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, DEPTH)
+
+
+@functools.cache
+def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
+               depth: int) -> tuple[CudaKernelSpec, ...]:
+    d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode), ("DEPTH", depth))
     p, i = "*u8", "i32"
     ks1, _, _ = _splits(hidden, shared_inter, nt)
 
-    def spec(kernel: str, args: str, warps: int = WARPS, smem: int = 0) -> CudaKernelSpec:
+    def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         types = tuple((a[1:], p) if a.startswith("*") else (a, i) for a in args.split())
-        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, types, d, warps, smem)
+        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, types, d, nwarps, smem)
 
     return (spec("moe_stage_x", "*x H *x16 *xmult", 8),
             spec("moe_fc1", "*x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H KSr "
-                 "KSs *h P ROWS", WARPS, 8 * nt * (hidden // ks1 + 4) * 2),
+                 "KSs *h P ROWS", warps, 8 * nt * (hidden // ks1 + 4) * 2),
             spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 8),
             spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
-                 "ROWS *y", WARPS, 8 * nt * (max(inter, shared_inter) + 4) * 2),
+                 "ROWS *y", warps, 8 * nt * (max(inter, shared_inter) + 4) * 2),
             spec("moe_combine", "*y T topk KSs P H *out", 8))
 
 

@@ -147,3 +147,21 @@ def test_moe_decode_mma_float32_tokens_and_large_activations() -> None:
     truth = moe(x)
     err = float((out - truth).norm() / truth.norm())
     assert err < 5e-3, err
+
+
+def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
+    from m3c.backends.cuda_aot import CudaKernelSpec
+    from m3c.backends.kernels.megamoe import megamoe_specs
+    from m3c.backends.triton_aot import compile_kernels
+
+    specs = megamoe_specs(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
+    cuda = [s for s in specs if isinstance(s, CudaKernelSpec)]
+    names = ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine"]
+    assert [s.kernel for s in cuda] == names * 2  # NT = 1 and 2
+    assert len({s.key() for s in cuda}) == 10
+    got = compile_kernels(cuda[:2])
+    assert [k.key for k in got] == [s.key() for s in cuda[:2]] and got[1].shared_bytes == cuda[1].shared_bytes
+    assert got[1].arg_types[:3] == ["*u8", "*u8", "i32"]
+    # a layout the CUDA kernels do not take (I not a multiple of 256) lowers to the Triton kernels only
+    tiny = megamoe_specs(256, 128, 8, 2, 128, "bf16", "nvfp4", "mxfp8")
+    assert tiny and not any(isinstance(s, CudaKernelSpec) for s in tiny)

@@ -148,9 +148,49 @@ moe_stage_x(const void* x, int H, u16* x16, float* xmult, void* scratch0, void* 
   if (threadIdx.x == 0) xmult[n] = up;
 }
 
+// SiLU(gate) * up of pair row hp at columns k, k + 1 (k < K), gate / up summed over SPL K splits.
+template <int SPL>
+__device__ __forceinline__ void act_pair(const float* hp, long split, int K, int k, float* v) {
+  float2 gv[SPL], uv[SPL];
+#pragma unroll
+  for (int s = 0; s < SPL; ++s) {
+    gv[s] = *(const float2*)(hp + s * split + k);
+    uv[s] = *(const float2*)(hp + s * split + K + k);
+  }
+  float gs[2] = {0.f, 0.f}, us[2] = {0.f, 0.f};
+#pragma unroll
+  for (int s = 0; s < SPL; ++s) {
+    gs[0] += gv[s].x;
+    gs[1] += gv[s].y;
+    us[0] += uv[s].x;
+    us[1] += uv[s].y;
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
+    const float g = bf16_round(gs[e]), u = bf16_round(us[e]);
+    v[e] = bf16_round(bf16_round(g / (1.f + __expf(-g))) * u);
+#else
+    v[e] = gs[e] / (1.f + expf(-gs[e])) * us[e];
+#endif
+  }
+}
+
+// One pair's activations: every load issued up front (addresses clamped inside the row, values masked after).
+template <int SPL>
+__device__ void act_row(const float* hp, long split, int K, float (&v)[16], float& m) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int k = 2 * (threadIdx.x + 256 * i);
+    act_pair<SPL>(hp, split, K, min(k, K - 2), v + 2 * i);
+    if (k >= K) v[2 * i] = v[2 * i + 1] = 0.f;
+    m = fmaxf(m, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
+  }
+}
+
 // act16[p, :K] = f16(SiLU(gate) * up * 2^-e(p)), amult[p] = 2^e(p), gate / up summed over FC1's K splits of pair p
-// (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits <= 8). One CTA
-// per pair; each thread keeps its (<= 8) value pairs in registers, so every load is issued up front.
+// (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits 1, 2, 4 or 8).
+// One CTA per pair; each thread keeps its (<= 8) value pairs in registers.
 extern "C" __global__ void __launch_bounds__(256)
 moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int I, int S, u16* act16,
         float* amult, void* scratch0, void* scratch1) {
@@ -161,32 +201,11 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
   const float* hp = h + (long)p * ROWS;
   float v[16];
   float m = 0.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int k = 2 * (threadIdx.x + 256 * i);
-    float gs[2] = {0.f, 0.f}, us[2] = {0.f, 0.f};
-    if (k < K) {
-#pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        if (s < splits) {
-          const float2 gv = *(const float2*)(hp + s * split + k), uv = *(const float2*)(hp + s * split + K + k);
-          gs[0] += gv.x;
-          gs[1] += gv.y;
-          us[0] += uv.x;
-          us[1] += uv.y;
-        }
-      }
-    }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-#if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
-      const float g = bf16_round(gs[e]), u = bf16_round(us[e]);
-      v[2 * i + e] = bf16_round(bf16_round(g / (1.f + __expf(-g))) * u);
-#else
-      v[2 * i + e] = gs[e] / (1.f + expf(-gs[e])) * us[e];
-#endif
-      m = fmaxf(m, fabsf(v[2 * i + e]));
-    }
+  switch (splits) {
+    case 1: act_row<1>(hp, split, K, v, m); break;
+    case 2: act_row<2>(hp, split, K, v, m); break;
+    case 4: act_row<4>(hp, split, K, v, m); break;
+    default: act_row<8>(hp, split, K, v, m); break;
   }
   float down, up;
   pow2_scale(block_max(m, red), down, up);
@@ -423,6 +442,19 @@ __device__ void gemv_mxfp8(const u8* code, const u8* scale, long tile_bytes, lon
   }
 }
 
+// Ask L2 for the first super-chunk of the warp's code bytes (both tiles) before the staging, so the weight
+// stream's first latency overlaps it.
+__device__ __forceinline__ void prefetch_first(const Block& b, int rows_total, int K, int Kc, const u8* rcode,
+                                               const u8* scode) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const long tile = (long)(b.row0 + warp * 32) / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
+  const long tb = b.expert >= 0 ? (long)K * 8 : (long)K * 16;
+  const u8* c = (b.expert >= 0 ? rcode : scode) + tile * tb + (long)b.ks * Kc * (b.expert >= 0 ? 8 : 16);
+#pragma unroll
+  for (int t = 0; t < ROWT; ++t)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + t * tb + lane * 64));  // 2 KB: the first super-chunk
+}
+
 // The warp's two row tiles over this block's K range, then out[p, row] = acc * 2^e * row factor * weight.
 __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, const u16* xs, const float* mult,
                           const int* pair, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode,
@@ -481,6 +513,7 @@ moe_fc1(const u16* x16, const float* xmult, int T, const long long* ids, int top
   for (int n = threadIdx.x; n < T; n += blockDim.x) rowof[n] = n;
   __syncthreads();
   const int Kc = H / b.KS;
+  prefetch_first(b, b.expert >= 0 ? rows : srows, H, Kc, rcode, scode);
   u16* xs = (u16*)smem;
   stage_rows(x16, xmult, rowof, T, H, b.ks * Kc, Kc, xs, mult);
   run_tiles(b, b.expert >= 0 ? rows : srows, H, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, nullptr,
@@ -500,6 +533,7 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
   if (!find_block(b, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
   find_pairs(pair, ids, T, topk, b.expert);
   const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
+  prefetch_first(b, H, K, Kc, rcode, scode);
   u16* xs = (u16*)smem;
   stage_rows(act16, amult, pair, T, ROWS / 2, b.ks * Kc, Kc, xs, mult);
   run_tiles(b, H, K, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, b.expert >= 0 ? wts : nullptr,
