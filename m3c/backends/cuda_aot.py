@@ -85,22 +85,30 @@ def find_nvcc() -> str:
 
 def compile_cuda(spec: CudaKernelSpec, arch: str = "sm_90a", target_name: str = "hopper",
                  keep_sass: bool = False) -> CompiledKernel:
-    """nvcc -cubin for `arch`; the CompiledKernel's stages hold the source (and the SASS with `keep_sass`)."""
-    src = SOURCE_DIR / spec.source
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "k.cubin"
-        cmd = [find_nvcc(), f"-arch={arch}", "-cubin", "-O3", "-std=c++17", "-o", str(out), str(src),
-               *[f"-D{k}={v}" for k, v in spec.defines]]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode:
-            raise KernelCompileError(f"{spec.family}: nvcc failed for {arch}:\n{' '.join(cmd)}\n{res.stderr[-3000:]}")
-        binary = out.read_bytes()
-        stages = {"cu": src.read_text()}
-        if keep_sass:
-            stages["sass"] = disassemble(binary)
+    """nvcc -cubin for `arch` (one nvcc run per source and defines: the kernels of one .cu share it); the
+    CompiledKernel's stages hold the source, the PTX (and the SASS with `keep_sass`)."""
+    binary, ptx = _nvcc(spec.source, spec.defines, arch)
+    stages = {"cu": (SOURCE_DIR / spec.source).read_text(), "ptx": ptx}
+    if keep_sass:
+        stages["sass"] = disassemble(binary)
     names = [n for n, _ in spec.arg_types]
     return CompiledKernel(spec.key(), spec.family, spec.kernel, binary, spec.shared_bytes, spec.num_warps, names,
                           [t for _, t in spec.arg_types], target_name, stages)
+
+
+@functools.lru_cache(maxsize=64)
+def _nvcc(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> tuple[bytes, str]:
+    """(cubin, ptx) of one source with -D defines (cached per process; the source's sha is in every spec key)."""
+    src = SOURCE_DIR / source
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "k.cubin"
+        cmd = [find_nvcc(), f"-arch={arch}", "-cubin", "-O3", "-std=c++17", "-keep", "-keep-dir", tmp, "-o", str(out),
+               str(src), *[f"-D{k}={v}" for k, v in defines]]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise KernelCompileError(f"{source}: nvcc failed for {arch}:\n{' '.join(cmd)}\n{res.stderr[-3000:]}")
+        ptx = next(Path(tmp).glob("*.ptx"), None)
+        return out.read_bytes(), ptx.read_text() if ptx else ""
 
 
 def disassemble(cubin: bytes) -> str:

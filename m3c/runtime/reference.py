@@ -57,17 +57,19 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def run_reference(preset: str | None = "m3.1-tiny", checkpoint: str | None = None, prompt_tokens: int = 40,
+def run_reference(preset: str | M3Config | None = "m3.1-tiny", checkpoint: str | None = None, prompt_tokens: int = 40,
                   decode_steps: int = 16, batch: int = 1, prefill_chunk: int | None = None,
                   kv_cache_dtype: str | None = None, seed: int = 0, device: str = "auto") -> RunReport:
-    """Build the model, prefill `batch` random prompts and decode greedily on the reference path."""
+    """Build the model (a preset name or a config, random weights from `seed`; or a checkpoint), prefill `batch`
+    random prompts and decode greedily on the reference path."""
     if prompt_tokens < 1 or decode_steps < 0 or batch < 1:
         raise ShapeError("--prompt-tokens and --batch must be >= 1 and --decode-steps >= 0")
     dev = resolve_device(device)
     if checkpoint:
         cfg, tensors = load_checkpoint(checkpoint)
     else:
-        cfg, tensors = get_preset(preset or "m3.1-tiny"), None
+        cfg = preset if isinstance(preset, M3Config) else get_preset(preset or "m3.1-tiny")
+        tensors = None
     if kv_cache_dtype:
         cfg = cfg.replace(kv_cache_dtype=kv_cache_dtype)
     model = build_model(cfg, tensors, seed=seed, device=dev)

@@ -64,3 +64,39 @@ def test_compile_dumps_kernel_stages(tmp_path, capsys) -> None:
         assert sum(f".entry {family}" in t for t in texts) >= 1, f"no {family} kernel dumped"
     assert all(c.read_bytes()[:4] == b"\x7fELF" for c in cubins)
     assert "kernels" in capsys.readouterr().out
+
+
+def _cuda_moe_cfg():
+    """The tiny preset widened so the CUDA C++ MegaMoE decode kernels take its MoE (H, I multiples of 256)."""
+    from m3c.model_defs.presets import m31_tiny
+
+    return m31_tiny().replace(hidden_size=256, moe_intermediate_size=256)
+
+
+def test_hopper_lowering_compiles_the_cuda_moe_kernels_offline() -> None:
+    """No GPU needed: a MoE the CUDA kernels take gets their cubins (nvcc, sm_90a) and PTX next to the Triton ones,
+    and the launch plan lists them for its megamoe nodes."""
+    from m3c.backends.hopper import compiled_kernels
+
+    program, _, _ = compile_preset(_cuda_moe_cfg(), target="hopper", cache=False)
+    moe = [e for e in program.launch_plan if e.get("op") == "megamoe"]
+    assert moe
+    cuda = [k for k in moe[0]["specs"] if k.startswith("megamoe_mma")]
+    assert len(cuda) == 10
+    kernels = compiled_kernels(program)
+    for key in cuda:
+        assert program.kernels[f"{key}.cubin"][:4] == b"\x7fELF"
+        assert b".target sm_90a" in program.kernels[f"{key}.ptx"]
+        assert kernels[key].name.startswith("moe_") and kernels[key].arg_types[-1] in ("*u8", "i32")
+
+
+@pytest.mark.gpu
+def test_cuda_moe_artifact_matches_reference_tokens(tmp_path) -> None:
+    """The widened tiny preset through the artifact (CUDA C++ MoE decode kernels from the artifact's cubins for the
+    decode steps): greedy tokens equal the reference model's for 32 steps."""
+    cfg = _cuda_moe_cfg()
+    program, cfg, _ = compile_preset(cfg, target="hopper", cache=False)
+    path = save_artifact(program, cfg, tmp_path / "tiny_cuda_moe.m3c")
+    got = run_artifact(str(path), prompt_tokens=40, decode_steps=32, batch=2, device="cuda")
+    ref = run_reference(cfg, prompt_tokens=40, decode_steps=32, batch=2, device="cuda")
+    assert got.result.tokens == ref.result.tokens

@@ -165,3 +165,46 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     # a layout the CUDA kernels do not take (I not a multiple of 256) lowers to the Triton kernels only
     tiny = megamoe_specs(256, 128, 8, 2, 128, "bf16", "nvfp4", "mxfp8")
     assert tiny and not any(isinstance(s, CudaKernelSpec) for s in tiny)
+
+
+def test_cuda_dispatch_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """T <= 16 on a CUDA device goes to the CUDA kernels; every launch is a spec the offline lowering compiled
+    (meta tensors stand in for the GPU: no data, no sync), with the grids the kernels expect."""
+    from m3c.backends.kernels import megamoe as mm_mod
+    from m3c.backends.kernels import moe_routing
+    from m3c.backends.kernels.megamoe import megamoe, megamoe_specs
+
+    monkeypatch.setattr(moe_routing, "interpreting", lambda: False)  # the GPU's routing spec, as the lowering lists
+
+    h, inter, e, k, s = 6144, 1536, 64, 8, 1536
+    listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")}
+    monkeypatch.setattr(mm_mod, "_mma_ok", lambda x, w13, sw13, top_k: x.shape[0] <= moe_cuda.MAX_TOKENS)
+
+    def meta_nvfp4(*shape: int) -> quant.NVFP4Tensor:
+        return quant.NVFP4Tensor(torch.empty(*shape[:-1], shape[-1] // 2, dtype=torch.uint8, device="meta"),
+                                 torch.empty(*shape[:-1], shape[-1] // 16, dtype=torch.float8_e4m3fn, device="meta"),
+                                 torch.empty(shape[0], shape[1], 1, device="meta"))
+
+    def meta_mxfp8(*shape: int) -> quant.MXFP8Tensor:
+        return quant.MXFP8Tensor(torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta"),
+                                 torch.empty(*shape[:-1], shape[-1] // 32, dtype=torch.uint8, device="meta"))
+
+    w13, w2 = meta_nvfp4(e, 2 * inter, h), meta_nvfp4(e, h, inter)
+    s13, s2 = meta_mxfp8(2 * s, h), meta_mxfp8(h, s)
+    for t in (1, 8, 9, 16):
+        seen: list = []
+        x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
+        megamoe(x, torch.empty(e, h, device="meta"), torch.empty(e, device="meta"), w13, w2, s13, s2, top_k=k,
+                routed_scaling_factor=2.5, norm_topk_prob=True,
+                runner=lambda sp, grid, args, seen=seen: seen.append((sp, grid, args)))
+        kernels = [sp.kernel for sp, _, _ in seen if getattr(sp, "kernel", None)]
+        assert kernels == ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine"], (t, kernels)
+        assert all(sp.key() in listed for sp, _, _ in seen), t
+        nt = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == "moe_fc1").defines)["NT"]
+        assert nt == (1 if t <= 8 else 2)
+        for sp, _grid, args in seen:
+            if getattr(sp, "kernel", None):
+                assert len(args) == len(sp.arg_types), sp.kernel
+        fc1_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc1")
+        ks1 = 2 * nt
+        assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1
