@@ -3,7 +3,7 @@
 # the repository root with PYTHONPATH=. and $OUT set; writes logs and JSON under $OUT and prints a summary.
 #
 #   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
-#   bash benchmarks/device_check.sh bench        # e2e, MoE decode points, MSA quick grid, traces (~250 s)
+#   bash benchmarks/device_check.sh bench        # e2e, MoE decode points + CUDA kernels, MSA grid, traces (~330 s)
 #   bash benchmarks/device_check.sh sweep        # decode indexer warps (fma / int8) + MoE decode tiles (~300 s)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
@@ -22,7 +22,8 @@ tests() {
   ($p tests/backends/kernels/test_moe_routing.py tests/backends/kernels/test_qkv_fused.py \
      tests/backends/kernels/test_msa_indexer.py > "$OUT/t_route_qkv_indexer.log" 2>&1
    echo "rc=$?" >> "$OUT/t_route_qkv_indexer.log") &
-  ($p tests/backends/kernels/test_moe_decode.py tests/fused/test_moe.py tests/test_cli_compile.py \
+  ($p tests/backends/kernels/test_moe_decode.py tests/backends/kernels/test_moe_cuda.py tests/fused/test_moe.py \
+     tests/test_cli_compile.py \
      > "$OUT/t_moe_cli.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_cli.log") &
   wait
   mark tests
@@ -30,13 +31,15 @@ tests() {
 }
 
 bench() {
-  timeout 110 python benchmarks/bench_e2e.py --preset m3.1-small --prompt-tokens 512 --decode-steps 32 \
+  timeout 170 python benchmarks/bench_e2e.py --preset m3.1-small --prompt-tokens 512 --decode-steps 32 \
     --no-torch-compile > "$OUT/e2e.txt" 2>&1; mark e2e
   timeout 100 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>&1; mark moe
+  timeout 80 python benchmarks/bench_moe_mma.py --tokens 1,4,8,16 --decode 0 --depth 2 > "$OUT/moe_mma.txt" 2>&1
+  mark moe_mma
   timeout 150 python benchmarks/bench_msa.py --quick --no-reference > "$OUT/msa.txt" 2>&1; mark msa
   timeout 40 python benchmarks/profile_targets.py attn1m --trace > "$OUT/trace_attn1m.txt" 2>&1
   timeout 40 python benchmarks/profile_targets.py moe1 --trace > "$OUT/trace_moe1.txt" 2>&1; mark traces
-  tail -6 "$OUT/e2e.txt"; grep -v '^{' "$OUT/moe.txt" | tail -6; tail -14 "$OUT/msa.txt"
+  tail -6 "$OUT/e2e.txt"; grep -v '^{' "$OUT/moe.txt" | tail -6; tail -5 "$OUT/moe_mma.txt"; tail -14 "$OUT/msa.txt"
   grep -E '^ +[0-9]' "$OUT/trace_attn1m.txt" | head -6; grep -E '^ +[0-9]' "$OUT/trace_moe1.txt" | head -8
 }
 

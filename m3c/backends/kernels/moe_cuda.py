@@ -5,7 +5,9 @@ weights went through shared memory to reach the MMA and each weight cost 6-8.5 S
 benchmarks/RESULTS.md sessions 11-12). Here each thread loads its own bytes of a prepacked layout (one 16-byte
 load per 32 weights), turns them into the A fragments of ``mma.sync.m16n8k16`` f16 with byte permutes (``prmt``:
 E2M1 magnitude -> f16 high byte, sign bits OR-ed in) and one ``mul.f16x2`` by the block scale, and the tokens are
-the MMA's N (8 columns; 1-8 tokens cost the same MMA). ~2.3 SASS instructions per weight, 122 registers.
+the MMA's N (8 columns; 1-8 tokens cost the same MMA). ~2.3 SASS instructions per weight (offline sm_90a: 663 per
+256 weights a thread), 128 registers; on the H200 60-65% of the byte floor for T <= 8 (benchmarks/RESULTS.md,
+session 13), ~2.8x the Triton tiles.
 
 Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
 1. ``moe_stage_x``: the tokens as f16 times 2^-e per token (e from the token's largest magnitude, so f16's range
