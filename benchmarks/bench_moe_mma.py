@@ -5,9 +5,9 @@ the CUDA kernels' output vs the reference MoE in float32 (relative Frobenius err
 CUDA-graph times of (a) the expert launches alone over precomputed routing (CUDA C++ and Triton grouped-GEMM
 tiles), (b) the whole op (routing + experts) as megamoe runs it today, (c) routing + CUDA C++ experts; the byte
 floor (touched NVFP4 + MXFP8 bytes at 4.28 TB/s) and each path's fraction of it. Settings to compare: --decode
-(0: prmt to f16, 1: prmt to E4M3 + cvt), --depth (NVFP4 super-chunks held in registers).
+(0: prmt to f16, 1: prmt to E4M3 + cvt).
 
-Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1] [--depth 2 3]
+Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ READ_BW = 4.28e12
 H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
 
 
-def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, decodes: list[int], depths: list[int]) -> list[dict]:
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, decodes: list[int]) -> list[dict]:
     """One T: check and time every setting."""
     x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
     cfg = moe.cfg
@@ -49,24 +49,23 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, decodes: list[int], dept
                                                       norm_topk_prob=cfg.norm_topk_prob))}
     rows = []
     for dec in decodes:
-        for dp in depths:
-            moe_cuda.DECODE, moe_cuda.DEPTH = dec, dp
-            out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
-            row = dict(base, decode=dec, depth=dp, err=float((out.float() - truth).norm() / truth.norm()),
-                       max_vs_triton=float((out.float() - triton_out.float()).abs().max()))
-            row["experts_ms"] = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2))
+        moe_cuda.DECODE = dec
+        out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
+        row = dict(base, decode=dec, err=float((out.float() - truth).norm() / truth.norm()),
+                   max_vs_triton=float((out.float() - triton_out.float()).abs().max()))
+        row["experts_ms"] = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2))
 
-            def whole():
-                lg = F.linear(x.float(), mm.gate_w32)
-                i2, w2_, _ = fused_route(lg, mm.bias, top_k=K, routed_scaling_factor=cfg.routed_scaling_factor,
-                                         norm_topk_prob=cfg.norm_topk_prob)
-                return moe_cuda.moe_decode_mma(x, i2, w2_, w13, w2, s13, s2)
-            row["whole_ms"] = bench_graph(whole)
-            row["kernels_us"] = {k[:40]: v for k, v in list(kernel_times(
-                lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)).items())[:6]}
-            row["bw_fraction"] = floor_ms / row["experts_ms"]
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        def whole():
+            lg = F.linear(x.float(), mm.gate_w32)
+            i2, w2_, _ = fused_route(lg, mm.bias, top_k=K, routed_scaling_factor=cfg.routed_scaling_factor,
+                                     norm_topk_prob=cfg.norm_topk_prob)
+            return moe_cuda.moe_decode_mma(x, i2, w2_, w13, w2, s13, s2)
+        row["whole_ms"] = bench_graph(whole)
+        row["kernels_us"] = {k[:40]: v for k, v in list(kernel_times(
+            lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)).items())[:6]}
+        row["bw_fraction"] = floor_ms / row["experts_ms"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -75,22 +74,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8")
     ap.add_argument("--decode", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--depth", type=int, nargs="+", default=[2, 3])
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
     rows: list[dict] = []
     for t in (int(v) for v in args.tokens.split(",")):
-        record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, gen, args.decode, args.depth))
+        record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, gen, args.decode))
     write_results("moe_mma", rows, shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'dp':>2} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
+    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
           f"{'megamoe':>8} {'err':>8} {'tri err':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['T']:>3} {r['error']}")
             continue
-        print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['depth']:>2} {r['experts_ms'] * 1e3:>7.1f}u "
+        print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['experts_ms'] * 1e3:>7.1f}u "
               f"{r['triton_experts_ms'] * 1e3:>7.1f}u {r['floor_ms'] * 1e3:>6.1f}u {100 * r['bw_fraction']:>5.1f} "
               f"{r['whole_ms'] * 1e3:>7.1f}u {r['megamoe_ms'] * 1e3:>7.1f}u {r['err']:>8.1e} {r['triton_err']:>8.1e}")
 

@@ -34,7 +34,7 @@ bench() {
   timeout 170 python benchmarks/bench_e2e.py --preset m3.1-small --prompt-tokens 512 --decode-steps 32 \
     --no-torch-compile > "$OUT/e2e.txt" 2>&1; mark e2e
   timeout 100 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>&1; mark moe
-  timeout 80 python benchmarks/bench_moe_mma.py --tokens 1,4,8,16 --decode 0 --depth 2 > "$OUT/moe_mma.txt" 2>&1
+  timeout 80 python benchmarks/bench_moe_mma.py --tokens 1,4,8,16 --decode 0 > "$OUT/moe_mma.txt" 2>&1
   mark moe_mma
   timeout 150 python benchmarks/bench_msa.py --quick --no-reference > "$OUT/msa.txt" 2>&1; mark msa
   timeout 40 python benchmarks/profile_targets.py attn1m --trace > "$OUT/trace_attn1m.txt" 2>&1

@@ -52,7 +52,6 @@ SOURCE = "moe_decode_mma.cu"
 WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supported assume it
 MAX_TOKENS = 16  # 1..8 tokens: one 8-column MMA tile (NT = 1); 9..16: two (NT = 2)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
-DEPTH = 2  # NVFP4 super-chunks in registers (2: one in flight while one is decoded; 3: two)
 _ROWS_PER_CTA = 32 * WARPS
 
 
@@ -95,13 +94,13 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens)."""
-    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, DEPTH)
+    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE)
 
 
 @functools.cache
-def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
-               depth: int) -> tuple[CudaKernelSpec, ...]:
-    d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode), ("DEPTH", depth))
+def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int,
+               decode: int) -> tuple[CudaKernelSpec, ...]:
+    d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode))
     p, i = "*u8", "i32"
     ks1, _, _ = _splits(hidden, shared_inter, nt)
 

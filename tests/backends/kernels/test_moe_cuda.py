@@ -123,11 +123,11 @@ def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("decode", [0, 1])
 @pytest.mark.parametrize("t", [1, 3, 8, 13, 16])
 @pytest.mark.parametrize("shared", ["mxfp8", "none"])
-def test_moe_decode_mma_matches_reference(t: int, shared: str, depth: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(moe_cuda, "DEPTH", depth)
+def test_moe_decode_mma_matches_reference(t: int, shared: str, decode: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe_cuda, "DECODE", decode)
     moe, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, shared, torch.bfloat16)
     w13, w2, s13, s2 = mm.weights()
     out = torch.full_like(x, float("nan"))

@@ -2,7 +2,7 @@
 // once from a prepacked layout, decoded in registers straight into mma.sync m16n8k16 f16 A fragments (weights are
 // the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No headers: builds with a
 // bare nvcc (PyPI) or NVRTC. Compile-time settings: WARPS (warps per CTA), NT (8-token column tiles), ACT_BF16
-// (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt), DEPTH.
+// (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine.
 #ifndef WARPS
 #define WARPS 4
@@ -15,9 +15,6 @@
 #endif
 #ifndef DECODE
 #define DECODE 0
-#endif
-#ifndef DEPTH
-#define DEPTH 2    // NVFP4 super-chunks held in registers: 2 (one in flight) or 3 (two in flight)
 #endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 #define MAXT (8 * NT)
@@ -297,6 +294,25 @@ __device__ void stage_rows(const u16* src, const float* src_mult, const int* row
   __syncthreads();
 }
 
+// The B fragments (activations, f16 pairs) of one 16-K MMA step for each 8-token tile: xrow[nt] + k holds the lane's
+// four K values (the layouts put them next to each other).
+__device__ __forceinline__ void load_b(u32 (&b)[NT][2], const u16* const (&xrow)[NT], int k) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const uint2 v = *(const uint2*)(xrow[nt] + k);
+    b[nt][0] = v.x;
+    b[nt][1] = v.y;
+  }
+}
+
+// Row pointers into the staged activations for the lane's token columns (tokens past T read row T - 1; their
+// results are never stored), offset by the lane's K position `k_lane`.
+__device__ __forceinline__ void token_rows(const u16* (&xrow)[NT], const u16* xs, int Kc, int T, int k_lane) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xrow[nt] = xs + (long)min(g + 8 * nt, T - 1) * (Kc + 4) + k_lane;
+}
+
 // One super-chunk (256 K) of NVFP4 codes / scales for the warp's tiles: [tile][super-chunk][chunk][lane][16 B]
 // codes, [tile][super-chunk][lane][8 B] scales.
 __device__ __forceinline__ void load_nvfp4(uint4 (&cb)[ROWT][4], uint2 (&sb)[ROWT], const u8* code, const u8* scale,
@@ -324,12 +340,7 @@ __device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint
     for (int s = 0; s < 4; ++s) {
       const int k = (sc * 4 + c) * 64 + 4 * s;
       u32 b[NT][2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint2 v = *(const uint2*)(xrow[nt] + k);
-        b[nt][0] = v.x;
-        b[nt][1] = v.y;
-      }
+      load_b(b, xrow, k);
 #pragma unroll
       for (int t = 0; t < ROWT; ++t) {
         u32 w = s == 0 ? cb[t][c].x : s == 1 ? cb[t][c].y : s == 2 ? cb[t][c].z : cb[t][c].w;
@@ -342,42 +353,19 @@ __device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint
   }
 }
 
-// acc[t][nt][4] += W[tile rows] . xs over this warp's K range: nsc super-chunks, DEPTH register buffers (DEPTH - 1
-// super-chunks in flight while one is decoded). code / scale point at the warp's first tile's lane data for this
-// K split; tiles are tile_bytes / tile_sbytes apart.
-__device__ void gemv_nvfp4(const u8* code, const u8* scale, long tile_bytes, long tile_sbytes, int nsc,
-                           const u16* xs, int Kc, int T, float (*acc)[NT][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
-  const u16* xrow[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) xrow[nt] = xs + (long)min(g + 8 * nt, T - 1) * (Kc + 4) + 16 * j;
-  uint4 ca[ROWT][4], cb[ROWT][4];
-  uint2 sa[ROWT], sb[ROWT];
-  load_nvfp4(ca, sa, code, scale, tile_bytes, tile_sbytes, 0);
-#if DEPTH == 3
-  uint4 cc[ROWT][4];
-  uint2 scc[ROWT];
-  if (nsc > 1) load_nvfp4(cb, sb, code, scale, tile_bytes, tile_sbytes, 1);
-  for (int sc = 0; sc < nsc; sc += 3) {
-    if (sc + 2 < nsc) load_nvfp4(cc, scc, code, scale, tile_bytes, tile_sbytes, sc + 2);
-    mma_nvfp4(ca, sa, sc, xrow, acc);
-    if (sc + 1 >= nsc) break;
-    if (sc + 3 < nsc) load_nvfp4(ca, sa, code, scale, tile_bytes, tile_sbytes, sc + 3);
-    mma_nvfp4(cb, sb, sc + 1, xrow, acc);
-    if (sc + 2 >= nsc) break;
-    if (sc + 4 < nsc) load_nvfp4(cb, sb, code, scale, tile_bytes, tile_sbytes, sc + 4);
-    mma_nvfp4(cc, scc, sc + 2, xrow, acc);
+struct Nvfp4Stream {  // a warp's NVFP4 tiles for one K split: the lane's codes / scales, tiles tile_bytes apart
+  const u8* code;
+  const u8* scale;
+  long tile_bytes, tile_sbytes;
+  static constexpr int k_lane = 16;  // lane j's scale group holds K 16 j .. 16 j + 15 of each 64-K chunk
+  __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
+    load_nvfp4(c, s, code, scale, tile_bytes, tile_sbytes, sc);
   }
-#else
-  for (int sc = 0; sc < nsc; sc += 2) {
-    if (sc + 1 < nsc) load_nvfp4(cb, sb, code, scale, tile_bytes, tile_sbytes, sc + 1);
-    mma_nvfp4(ca, sa, sc, xrow, acc);
-    if (sc + 1 >= nsc) break;
-    if (sc + 2 < nsc) load_nvfp4(ca, sa, code, scale, tile_bytes, tile_sbytes, sc + 2);
-    mma_nvfp4(cb, sb, sc + 1, xrow, acc);
+  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
+                                      const u16* const (&xrow)[NT], float (*acc)[NT][4]) const {
+    mma_nvfp4(c, s, sc, xrow, acc);
   }
-#endif
-}
+};
 
 // One super-chunk (128 K) of MXFP8 codes ([tile][super-chunk][unit][lane][16 B]) and the E8M0 scales of rows g and
 // g + 8 (natural layout: `scale` points at row g's scales for this K split, `srow` bytes a row).
@@ -398,12 +386,7 @@ __device__ __forceinline__ void mma_mxfp8(const uint4 (&cw)[ROWT][4], const uint
   for (int q = 0; q < 8; ++q) {  // 8 steps of 16 K: step q lane j covers k = 16 q + 4 j + 0..3 (one E8M0 group)
     const int k = sc * 128 + q * 16;
     u32 b[NT][2];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      uint2 v = *(const uint2*)(xrow[nt] + k);
-      b[nt][0] = v.x;
-      b[nt][1] = v.y;
-    }
+    load_b(b, xrow, k);
 #pragma unroll
     for (int t = 0; t < ROWT; ++t) {
       const uint4 v = cw[t][q >> 1];
@@ -424,21 +407,37 @@ __device__ __forceinline__ void mma_mxfp8(const uint4 (&cw)[ROWT][4], const uint
   }
 }
 
-__device__ void gemv_mxfp8(const u8* code, const u8* scale, long tile_bytes, long tile_sbytes, int srow, int nsc,
-                           const u16* xs, int Kc, int T, float (*acc)[NT][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
+struct Mxfp8Stream {  // a warp's MXFP8 tiles for one K split (scales: row g's, srow bytes a row)
+  const u8* code;
+  const u8* scale;
+  long tile_bytes, tile_sbytes;
+  int srow;
+  static constexpr int k_lane = 4;  // lane j holds K 4 j .. 4 j + 3 of each 16-K step
+  __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
+    load_mxfp8(c, s, code, scale, tile_bytes, tile_sbytes, srow, sc);
+  }
+  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
+                                      const u16* const (&xrow)[NT], float (*acc)[NT][4]) const {
+    mma_mxfp8(c, s, sc, xrow, acc);
+  }
+};
+
+// acc[t][nt][4] += W[tile rows] . xs over this warp's K range of nsc super-chunks (64 code bytes a lane and tile
+// each), two register buffers: the next super-chunk's loads are in flight while one is decoded. (A third buffer
+// measured slower on the H200: 158 registers, 3 CTAs per SM.)
+template <class Stream>
+__device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int T, float (*acc)[NT][4]) {
   const u16* xrow[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) xrow[nt] = xs + (long)min(g + 8 * nt, T - 1) * (Kc + 4) + 4 * j;
+  token_rows(xrow, xs, Kc, T, Stream::k_lane * (threadIdx.x & 3));
   uint4 ca[ROWT][4], cb[ROWT][4];
   uint2 sa[ROWT], sb[ROWT];
-  load_mxfp8(ca, sa, code, scale, tile_bytes, tile_sbytes, srow, 0);
+  w.load(ca, sa, 0);
   for (int sc = 0; sc < nsc; sc += 2) {
-    if (sc + 1 < nsc) load_mxfp8(cb, sb, code, scale, tile_bytes, tile_sbytes, srow, sc + 1);
-    mma_mxfp8(ca, sa, sc, xrow, acc);
+    if (sc + 1 < nsc) w.load(cb, sb, sc + 1);
+    w.mma(ca, sa, sc, xrow, acc);
     if (sc + 1 >= nsc) break;
-    if (sc + 2 < nsc) load_mxfp8(ca, sa, code, scale, tile_bytes, tile_sbytes, srow, sc + 2);
-    mma_mxfp8(cb, sb, sc + 1, xrow, acc);
+    if (sc + 2 < nsc) w.load(ca, sa, sc + 2);
+    w.mma(cb, sb, sc + 1, xrow, acc);
   }
 }
 
@@ -473,12 +472,12 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
     const long tb = (long)K * 8, tsb = (long)K;
     const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
     const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
-    gemv_nvfp4(c, s, tb, tsb, Kc / 256, xs, Kc, T, acc);
+    gemv(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, T, acc);
   } else {              // prepacked codes (16 rows x K bytes a tile), scales in their natural [rows, K / 32] layout
     const long tb = (long)K * 16, tsb = (long)K * 16 / 32;
     const u8* c = scode + tile * tb + (long)b.ks * Kc * 16 + lane * 16;
     const u8* s = sscale + (long)(row + g) * (K / 32) + (long)b.ks * Kc / 32;
-    gemv_mxfp8(c, s, tb, tsb, K / 32, Kc / 128, xs, Kc, T, acc);
+    gemv(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, T, acc);
   }
 #pragma unroll
   for (int t = 0; t < ROWT; ++t) {
