@@ -76,9 +76,9 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     if why is not None:
         raise ShapeError(f"MegaMoE does not support this layout: {why}")
     mma: list[CudaKernelSpec] = []
-    if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, 1) is None:
-        mma = [*mma_specs(hidden, inter, shared_inter, act_dtype, 1), *mma_specs(hidden, inter, shared_inter,
-                                                                               act_dtype, 2)]
+    for nt, tokens in ((1, 1), (2, MMA_MAX_TOKENS)):  # the 8- and 16-token variants, each where it fits
+        if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
+            mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt)
     return route_specs(experts, top_k) + mma + list(moe_prefill_specs(
         hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))
 
@@ -87,6 +87,8 @@ def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
     """Whether the CUDA C++ decode kernels take this call (a CUDA device, T <= 16, NVFP4 experts, MXFP8 / no shared
     expert, a layout they support)."""
     if not x.is_cuda or interpreting() or x.shape[0] > MMA_MAX_TOKENS or not isinstance(w13, quant.NVFP4Tensor):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (8, 9):  # cvt.f16x2.e4m3x2 and the tuning need sm_89+
         return False
     if shared_w13 is not None and not isinstance(shared_w13, quant.MXFP8Tensor):
         return False

@@ -45,7 +45,7 @@ import torch
 from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels.host import derived
 from m3c.backends.triton_aot import Runner, jit_run
-from m3c.errors import ShapeError
+from m3c.errors import M3CError, ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 
 SOURCE = "moe_decode_mma.cu"
@@ -57,12 +57,11 @@ _ROWS_PER_CTA = 32 * WARPS
 
 def _splits(hidden: int, shared_inter: int, nt: int) -> tuple[int, int, int]:
     """(FC1 routed, FC1 shared, FC2 shared) K splits: more, shorter streams where K allows (each split a whole number
-    of super-chunks; 2 NT for FC1 keeps its staged tokens at <= 8 x H / 2 f16); the shared expert's MXFP8 rows hold
-    twice the bytes, so it gets twice the splits."""
+    of super-chunks; 2 NT when H allows, so FC1 stages at most 8 x H / 2 f16 values); the shared expert's MXFP8 rows
+    hold twice the bytes, so it gets twice the splits."""
     ks1 = next(k for k in (2 * nt, nt, 1) if hidden % (256 * k) == 0)
-    ks1s = 2 * ks1 if hidden % (256 * ks1) == 0 else ks1
     ks2s = 2 if shared_inter % 256 == 0 else 1
-    return ks1, ks1s, ks2s
+    return ks1, 2 * ks1, ks2s  # H / (2 ks1) is a multiple of 128: whole MXFP8 super-chunks
 
 
 def _nt(tokens: int) -> int:
@@ -89,7 +88,23 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         return f"shared I = {shared_inter}: must be a multiple of 128"
     if hidden > 16384 or max(inter, shared_inter) > 4096:
         return f"H = {hidden}, I = {inter}, S = {shared_inter}: at most 16384 / 4096 / 4096 (staging buffers)"
+    nt = _nt(tokens)
+    smem = max(_fc1_smem(hidden, shared_inter, nt), _fc2_smem(inter, shared_inter, nt))
+    if smem > SMEM_LIMIT:
+        return (f"H = {hidden}, T = {tokens}: the staged tokens need {smem} bytes of shared memory, more than "
+                f"{SMEM_LIMIT} (H / 256 odd leaves FC1 one K split)")
     return None
+
+
+SMEM_LIMIT = 227 * 1024 - 2048  # the H200's opt-in shared memory per CTA, less the kernels' static arrays
+
+
+def _fc1_smem(hidden: int, shared_inter: int, nt: int) -> int:
+    return 8 * nt * (hidden // _splits(hidden, shared_inter, nt)[0] + 4) * 2
+
+
+def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
+    return 8 * nt * (max(inter, shared_inter) + 4) * 2
 
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
@@ -102,7 +117,6 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                decode: int) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode))
     p, i = "*u8", "i32"
-    ks1, _, _ = _splits(hidden, shared_inter, nt)
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         types = tuple((a[1:], p) if a.startswith("*") else (a, i) for a in args.split())
@@ -110,11 +124,11 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
 
     return (spec("moe_stage_x", "*x H *x16 *xmult", 8),
             spec("moe_fc1", "*x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H KSr "
-                 "KSs *h P ROWS", warps, 8 * nt * (hidden // ks1 + 4) * 2),
+                 "KSs *h P ROWS", warps, _fc1_smem(hidden, shared_inter, nt)),
             spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 8),
             spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
-                 "ROWS *y", warps, 8 * nt * (max(inter, shared_inter) + 4) * 2),
-            spec("moe_combine", "*y T topk KSs P H *out", 8))
+                 "ROWS *y", warps, _fc2_smem(inter, shared_inter, nt)),
+            spec("moe_combine", "*y *ids E T topk KSs P H *out", 8))
 
 
 def prepack_nvfp4(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,9 +172,19 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
     ``topk_ids`` int64 / ``topk_weights`` float32 [T, k] (from :func:`~m3c.backends.kernels.moe_routing.fused_route`
     or ``MoE.route``), ``w13`` NVFP4 [E, 2I, H], ``w2`` NVFP4 [E, H, I], the shared pair MXFP8 ([2S, H], [H, S])
-    or both None. Prepacked weights are built on first use and kept on the weight tensors (a second copy)."""
+    or both None. Prepacked weights are built on first use and kept on the weight tensors (a second copy: the
+    prefill kernels read the natural layout), so the first call per weight must run outside CUDA-graph capture
+    (:class:`CaptureError` otherwise; the runtime's graphs warm up first). Tokens whose routing produced an id
+    outside [0, E) (NaN router logits) come out NaN."""
     from m3c.backends.kernels.moe_prefill import nvfp4_row_scales
 
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ShapeError(f"moe_decode_mma: x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
+    if (shared_w13 is None) != (shared_w2 is None):
+        raise ShapeError("moe_decode_mma: pass both shared_w13 and shared_w2, or neither")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ShapeError(f"moe_decode_mma: out {tuple(out.shape)} {out.dtype} must be a contiguous {x.dtype} "
+                         f"{tuple(x.shape)}")
     t, hidden = x.shape
     e, two_i = w13.data.shape[0], w13.data.shape[1]
     inter, top_k = two_i // 2, topk_ids.shape[1]
@@ -173,6 +197,9 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         raise ShapeError(f"moe_decode_mma: {why}")
     nt = _nt(t)
     stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not _prepacked(w13, w2, shared_w13, shared_w2):
+        raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "
+                           "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
     c13, c2 = _packed_pair(w13), _packed_pair(w2)
     g13 = nvfp4_row_scales(w13, (e, two_i), "w13")
     g2 = nvfp4_row_scales(w2, (e, hidden), "w2")
@@ -205,8 +232,26 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s if shared else 0),)
     runner(fc2, grid2, [act16, amult, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden,
                         ks2s, pairs, rows_ws, y])
-    runner(comb, (triton_cdiv(hidden, 256), t), [y, t, top_k, ks2s if shared else 0, pairs, hidden, out])
+    runner(comb, (triton_cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
     return out
+
+
+class CaptureError(M3CError, RuntimeError):
+    """A launch that must build state first (prepacked weights) was called inside CUDA-graph capture."""
+
+
+def _prepacked(*weights: Any) -> bool:
+    """Whether every weight's prepacked copy is already built (and current)."""
+    def ready(t: torch.Tensor, tag: str) -> bool:
+        return getattr(t, "_m3c_derived", {}).get(tag, (None,))[0] == t._version
+
+    for w in weights:
+        if isinstance(w, NVFP4Tensor) and not (ready(w.data, "mma prepack codes") and
+                                               ready(w.scale, "mma prepack scales")):
+            return False
+        if isinstance(w, MXFP8Tensor) and not ready(w.data, "mma prepack"):
+            return False
+    return True
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -215,7 +260,11 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _packed_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prepacked (codes, scales) of an NVFP4 weight, built once per weight version."""
-    codes = derived(w.data, "mma prepack codes", lambda: prepack_nvfp4(w.data, w.scale)[0])
-    scales = derived(w.scale, "mma prepack scales", lambda: prepack_nvfp4(w.data, w.scale)[1])
-    return codes, scales
+    """The prepacked (codes, scales) of an NVFP4 weight, built once per version of its codes and of its scales."""
+    both: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def make(i: int) -> torch.Tensor:
+        if not both:
+            both.append(prepack_nvfp4(w.data, w.scale))
+        return both[0][i]
+    return derived(w.data, "mma prepack codes", lambda: make(0)), derived(w.scale, "mma prepack scales", lambda: make(1))

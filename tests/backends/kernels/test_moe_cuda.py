@@ -27,7 +27,7 @@ def _f16_from_high(byte: torch.Tensor) -> torch.Tensor:
 
 
 def _emulate_nvfp4(codes: torch.Tensor, scales: torch.Tensor, rows: int, k: int) -> torch.Tensor:
-    """What the kernel's gemv_nvfp4 feeds its MMAs, as a [rows, K] matrix: words read at the kernel's offsets
+    """What the kernel's NVFP4 stream (load_nvfp4 / mma_nvfp4) feeds its MMAs, as a [rows, K] matrix: words read at the kernel's offsets
     (tile, super-chunk, chunk, lane, step), prmt decode of decode_nvfp4 (DECODE 0), times the lane's scales."""
     tiles, nsc = rows // 16, k // 256
     words = codes.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -96,6 +96,16 @@ def test_supported_reasons() -> None:
     assert "1..16" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 17)
     assert "MXFP8 or none" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "bf16", 1)
     assert "multiples of 256" in moe_cuda.mma_supported(6144 + 128, 1536, 64, 8, 1536, "bf16", "nvfp4", None, 1)
+    # H = 256 x 29: one FC1 K split, so 16 staged tokens need 237,696 bytes of shared memory (> 227 KB); 8 fit
+    assert "shared memory" in moe_cuda.mma_supported(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 16)
+    assert moe_cuda.mma_supported(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 8) is None
+    from m3c.backends.cuda_aot import CudaKernelSpec
+    from m3c.backends.kernels.megamoe import megamoe_specs
+
+    cuda = [sp for sp in megamoe_specs(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
+            if isinstance(sp, CudaKernelSpec)]
+    assert len(cuda) == 5 and all(dict(sp.defines)["NT"] == 1 for sp in cuda)
+    assert all(sp.shared_bytes <= moe_cuda.SMEM_LIMIT for sp in cuda)
 
 
 def test_kernels_compile_for_sm90a_with_mma_and_prmt() -> None:
@@ -208,3 +218,27 @@ def test_cuda_dispatch_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatc
         fc1_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc1")
         ks1 = 2 * nt
         assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1
+
+
+@pytest.mark.gpu
+def test_out_of_range_expert_id_gives_nan_not_garbage() -> None:
+    """A routed id outside [0, E) (what NaN router logits select) has no CTA writing its rows: that token is NaN,
+    the others are unaffected."""
+    _, mm, x, ids, w = _case(3, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
+    w13, w2, s13, s2 = mm.weights()
+    good = moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2)
+    bad_ids = ids.clone()
+    bad_ids[1, 3] = 64
+    out = moe_cuda.moe_decode_mma(x, bad_ids, w.float(), w13, w2, s13, s2)
+    assert torch.isnan(out[1]).all()
+    assert torch.equal(out[0], good[0]) and torch.equal(out[2], good[2])
+
+
+@pytest.mark.gpu
+def test_capture_without_warm_up_is_refused() -> None:
+    _, mm, x, ids, w = _case(1, 6144, 1536, 64, 8, "none", torch.bfloat16)
+    w13, w2, _, _ = mm.weights()
+    w13 = quant.NVFP4Tensor(w13.data.clone(), w13.scale.clone(), w13.global_scale)  # nothing prepacked yet
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(moe_cuda.CaptureError, match="warm-up"), torch.cuda.graph(graph):
+        moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, None, None)

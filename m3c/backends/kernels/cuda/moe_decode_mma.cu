@@ -114,7 +114,7 @@ __device__ __forceinline__ float e8m0_float(u32 e) {
 __device__ __forceinline__ void pow2_scale(float amax, float& down, float& up) {
   u32 bits = __float_as_uint(amax);
   int e = (amax > 0.f && amax < 3.0e38f) ? (int)((bits >> 23) & 0xFF) - 127 - 14 : 0;
-  e = max(-100, min(100, e));
+  e = max(-126, min(126, e));  // both 2^e and 2^-e stay normal floats
   up = __uint_as_float((u32)(127 + e) << 23);
   down = __uint_as_float((u32)(127 - e) << 23);
 }
@@ -539,13 +539,17 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
             y + (long)b.ks * P * H, H);
 }
 
-// out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits).
+// out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits). A
+// routed id outside [0, E) (what NaN router logits select) had no CTA write its row: the token's output is NaN.
 extern "C" __global__ void __launch_bounds__(256)
-moe_combine(const float* y, int T, int topk, int KSs, int P, int H, void* out, void* scratch0, void* scratch1) {
+moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KSs, int P, int H, void* out,
+            void* scratch0, void* scratch1) {
   const int n = blockIdx.y;
+  bool valid = true;
+  for (int k = 0; k < topk; ++k) valid = valid && ids[n * topk + k] >= 0 && ids[n * topk + k] < E;
   for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256) {
-    float s = 0.f;
-    for (int k = 0; k < topk; ++k) s += y[(long)(n * topk + k) * H + c];
+    float s = valid ? 0.f : __uint_as_float(0x7FC00000u);
+    for (int k = 0; k < topk && valid; ++k) s += y[(long)(n * topk + k) * H + c];
     for (int k = 0; k < KSs; ++k) s += y[((long)k * P + T * topk + n) * H + c];
 #if ACT_BF16
     u16 bits;
