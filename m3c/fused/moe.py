@@ -2,10 +2,12 @@
 
 Semantics: ``MegaMoE(...)(x)`` equals ``m3c.model_defs.layers.MoE.forward(x)`` (up to float rounding of the
 activation dtype). On a GPU (or under Triton's interpreter) it runs the MegaMoE kernels through
-:func:`m3c.backends.kernels.megamoe.megamoe`: device routing, then the grouped-GEMM expert kernels (the
-measured-faster path at every T; ``decode_kernel=True`` picks the one-launch decode kernel for T <= 64,
-with a workspace kept per token count); elsewhere (plain CPU) it runs the reference composition. The
-default path allocates its small per-call buffers from torch's caching allocator (CUDA-graph safe).
+:func:`m3c.backends.kernels.megamoe.megamoe`: device routing, then for T <= 16 on an sm_89+ GPU the CUDA C++
+decode kernels (:mod:`m3c.backends.kernels.moe_cuda`; their prepacked weights are built at the first call, so
+call once before capturing a CUDA graph), else the grouped-GEMM expert kernels (``decode_kernel=True`` picks
+the one-launch Triton decode kernel for T <= 64, with a workspace kept per token count); elsewhere (plain CPU)
+it runs the reference composition. The default path allocates its small per-call buffers from torch's caching
+allocator (CUDA-graph safe).
 :func:`random_moe` builds a random reference block for tests and benchmarks.
 """
 
@@ -43,7 +45,7 @@ class MegaMoE(nn.Module):
                  w2: quant.NVFP4Tensor, shared_w13: Any = None, shared_w2: Any = None, *, top_k: int,
                  routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True, decode_kernel: bool = False) -> None:
         super().__init__()
-        self.decode_kernel = decode_kernel  # see megamoe(): the grouped-GEMM path is faster at every T today
+        self.decode_kernel = decode_kernel  # see megamoe(): kept for tuning; the default paths are faster
         if not isinstance(w13, quant.NVFP4Tensor) or not isinstance(w2, quant.NVFP4Tensor):
             raise ShapeError("MegaMoE takes NVFP4 routed experts (quant.NVFP4Tensor for w13 and w2)")
         e, n1, h = w13.data.shape[0], w13.data.shape[1], w13.data.shape[2] * 2
