@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ class CudaKernelSpec:
     defines: tuple[tuple[str, int], ...] = ()
     num_warps: int = 4
     shared_bytes: int = 0
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # host-side facts (not part of the key)
 
     def key(self) -> str:
         """A stable name for this specialization (family + sha of the source text, kernel, defines, launch);

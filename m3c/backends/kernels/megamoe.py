@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels.host import interpreting
 from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
-from m3c.backends.kernels.moe_cuda import mma_specs, mma_supported, moe_decode_mma
+from m3c.backends.kernels.moe_cuda import call_support, mma_specs, mma_supported, moe_decode_mma
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, moe_decode, shared_format
 from m3c.backends.kernels.moe_prefill import moe_prefill, moe_prefill_specs, moe_prefill_supported
 from m3c.backends.kernels.moe_routing import expert_segments, fused_route, gate_weight, moe_route, route_specs
@@ -90,12 +90,7 @@ def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
         return False
     if torch.cuda.get_device_capability(x.device) < (8, 9):  # cvt.f16x2.e4m3x2 and the tuning need sm_89+
         return False
-    if shared_w13 is not None and not isinstance(shared_w13, quant.MXFP8Tensor):
-        return False
-    e, two_i, hidden = w13.shape
-    s = shared_w13.shape[0] // 2 if shared_w13 is not None else 0
-    act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
-    return mma_supported(hidden, two_i // 2, e, top_k, s, act, "nvfp4", "mxfp8" if s else None, x.shape[0]) is None
+    return call_support(x, w13, shared_w13, top_k) is None
 
 
 def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, w13: quant.NVFP4Tensor,

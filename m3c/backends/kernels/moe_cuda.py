@@ -41,6 +41,7 @@ import math
 from typing import Any
 
 import torch
+import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels.host import derived
@@ -53,6 +54,7 @@ WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supporte
 MAX_TOKENS = 16  # 1..8 tokens: one 8-column MMA tile (NT = 1); 9..16: two (NT = 2)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
 _ROWS_PER_CTA = 32 * WARPS
+_TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
 
 def _splits(hidden: int, shared_inter: int, nt: int) -> tuple[int, int, int]:
@@ -94,6 +96,19 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         return (f"H = {hidden}, T = {tokens}: the staged tokens need {smem} bytes of shared memory, more than "
                 f"{SMEM_LIMIT} (H / 256 odd leaves FC1 one K split)")
     return None
+
+
+def call_support(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> str | None:
+    """:func:`mma_supported` for the tensors of one call (tokens x [T, H], routed w13, shared w13 or None)."""
+    fmt = "nvfp4" if isinstance(w13, NVFP4Tensor) else type(w13).__name__
+    sfmt = "none" if shared_w13 is None else "mxfp8" if isinstance(shared_w13, MXFP8Tensor) else \
+        type(shared_w13).__name__
+    if fmt != "nvfp4" or sfmt not in ("none", "mxfp8"):
+        return mma_supported(0, 0, 0, top_k, 0, "bf16", fmt, sfmt, x.shape[0])
+    e, two_i, hidden = w13.shape
+    s = shared_w13.shape[0] // 2 if shared_w13 is not None else 0
+    act = "bf16" if x.dtype == torch.bfloat16 else "fp32" if x.dtype == torch.float32 else str(x.dtype)
+    return mma_supported(hidden, two_i // 2, e, top_k, s, act, fmt, sfmt, x.shape[0])
 
 
 SMEM_LIMIT = 227 * 1024 - 2048  # the H200's opt-in shared memory per CTA, less the kernels' static arrays
@@ -185,16 +200,15 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
         raise ShapeError(f"moe_decode_mma: out {tuple(out.shape)} {out.dtype} must be a contiguous {x.dtype} "
                          f"{tuple(x.shape)}")
+    why = call_support(x, w13, shared_w13, topk_ids.shape[1])
+    if why:
+        raise ShapeError(f"moe_decode_mma: {why}")
     t, hidden = x.shape
     e, two_i = w13.data.shape[0], w13.data.shape[1]
     inter, top_k = two_i // 2, topk_ids.shape[1]
     shared = shared_w13 is not None
     s = shared_w13.data.shape[0] // 2 if shared else 0
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
-    why = mma_supported(hidden, inter, e, top_k, s, act, "nvfp4" if isinstance(w13, NVFP4Tensor) else "?",
-                        "mxfp8" if isinstance(shared_w13, MXFP8Tensor) else ("none" if not shared else "?"), t)
-    if why:
-        raise ShapeError(f"moe_decode_mma: {why}")
     nt = _nt(t)
     stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt)
     if x.is_cuda and torch.cuda.is_current_stream_capturing() and not _prepacked(w13, w2, shared_w13, shared_w2):
@@ -204,8 +218,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     g13 = nvfp4_row_scales(w13, (e, two_i), "w13")
     g2 = nvfp4_row_scales(w2, (e, hidden), "w2")
     if shared:
-        sc13 = derived(shared_w13.data, "mma prepack", lambda: prepack_mxfp8(shared_w13.data))
-        sc2 = derived(shared_w2.data, "mma prepack", lambda: prepack_mxfp8(shared_w2.data))
+        sc13 = derived(shared_w13.data, _TAG_CODES, lambda: prepack_mxfp8(shared_w13.data))
+        sc2 = derived(shared_w2.data, _TAG_CODES, lambda: prepack_mxfp8(shared_w2.data))
         ss13, ss2 = shared_w13.scale.view(torch.uint8), shared_w2.scale.view(torch.uint8)
     else:
         sc13 = sc2 = ss13 = ss2 = c13[0]
@@ -232,7 +246,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s if shared else 0),)
     runner(fc2, grid2, [act16, amult, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden,
                         ks2s, pairs, rows_ws, y])
-    runner(comb, (triton_cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
+    runner(comb, (triton.cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
     return out
 
 
@@ -246,17 +260,11 @@ def _prepacked(*weights: Any) -> bool:
         return getattr(t, "_m3c_derived", {}).get(tag, (None,))[0] == t._version
 
     for w in weights:
-        if isinstance(w, NVFP4Tensor) and not (ready(w.data, "mma prepack codes") and
-                                               ready(w.scale, "mma prepack scales")):
+        if isinstance(w, NVFP4Tensor) and not (ready(w.data, _TAG_CODES) and ready(w.scale, _TAG_SCALES)):
             return False
-        if isinstance(w, MXFP8Tensor) and not ready(w.data, "mma prepack"):
+        if isinstance(w, MXFP8Tensor) and not ready(w.data, _TAG_CODES):
             return False
     return True
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    """ceil(a / b)."""
-    return -(-a // b)
 
 
 def _packed_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,4 +275,4 @@ def _packed_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not both:
             both.append(prepack_nvfp4(w.data, w.scale))
         return both[0][i]
-    return derived(w.data, "mma prepack codes", lambda: make(0)), derived(w.scale, "mma prepack scales", lambda: make(1))
+    return derived(w.data, _TAG_CODES, lambda: make(0)), derived(w.scale, _TAG_SCALES, lambda: make(1))
