@@ -2,8 +2,8 @@
 
 m3.1-small layout: 1 index head, D = 128, block 128, top-16, NVFP4 index keys, bf16 index q.
 Decode: contexts 32K / 128K / 512K / 1M tokens × batch 1 and 8, 1 query row per request, each
-``deq`` path of :func:`m3c.backends.kernels.msa_indexer.msa_indexer` (``DEQ_MODES``: "f32scale",
-"groupdot", "fp8", "fma", "int8"; ``--fma-keys`` / ``--fma-warps`` / ``--fma-rows`` / ``--fma-stages`` override the
+``deq`` path of :func:`m3c.backends.kernels.msa_indexer.msa_indexer` ("cuda": the CUDA C++ kernel, ``--cuda-*``
+knobs; ``DEQ_MODES``: "f32scale", "groupdot", "fp8", "fma", "int8"; ``--fma-keys`` / ``--fma-warps`` / ``--fma-rows`` / ``--fma-stages`` override the
 "fma" and "int8" paths' FMA_KEYS / FMA_WARPS / FMA_ROWS / FMA_STAGES for tuning, recorded in their rows).
 Prefill: a 4K-row chunk (the last 4,096 positions) at 128K and 1M tokens (always the "f32scale" tile).
 Each point reports the CUDA-graph replay time (µs, median), the floor (decode: 72 B/token of index keys
@@ -27,7 +27,15 @@ import triton.testing
 from _timing import bench_graph, record_point, write_results
 
 from m3c.backends.kernels import msa_indexer as mi
-from m3c.backends.kernels.msa_indexer import DEQ_MODES, _topk_spec, _topk_workspace, msa_indexer, topk_plan
+from m3c.backends.kernels import msa_indexer_cuda as mc
+from m3c.backends.kernels.msa_indexer import (
+    DECODE_PATHS,
+    DEQ_MODES,
+    _topk_spec,
+    _topk_workspace,
+    msa_indexer,
+    topk_plan,
+)
 from m3c.backends.triton_aot import jit_run
 from m3c.model_defs import ops as mops
 
@@ -106,6 +114,8 @@ def run_decode(ctx: int, batch: int, max_q_rows: int, modes: tuple[str, ...] = D
         tune = ({"fma_keys": mi.FMA_KEYS, "fma_warps": mi.FMA_WARPS, "fma_rows": mi.FMA_ROWS,
                  "fma_stages": mi.FMA_STAGES} if deq in ("fma", "int8") else {})
         tune |= {"chunk_waves": mi.CHUNK_WAVES, "chunk_max": mi.CHUNK_MAX}
+        if deq == "cuda":
+            tune = {"cuda_ctas_per_sm": mc.CTAS_PER_SM, "cuda_min_ctas": mc.MIN_CTAS[1], "cuda_warps": mc.WARPS}
         row = {"phase": "decode", "context": ctx, "batch": batch, "deq": deq, "max_q_rows": max_q_rows, **tune,
                "us": ms * 1e3, "topk_us": topk_ms * 1e3,
                "floor_us": floor_ms * 1e3, "pct_of_floor": 100 * floor_ms / ms, "sdpa_dense_us": sdpa * 1e3,
@@ -161,7 +171,11 @@ def main() -> None:
     ap.add_argument("--fma-rows", type=int, default=mi.FMA_ROWS, help='"fma": query rows per tile (at most)')
     ap.add_argument("--fma-stages", type=int, default=mi.FMA_STAGES,
                     help='"fma": software-pipeline stages of the block loop (1: none)')
-    ap.add_argument("--deq", nargs="+", choices=DEQ_MODES, default=list(DEQ_MODES), help="dequant paths to time")
+    ap.add_argument("--deq", nargs="+", choices=DECODE_PATHS, default=["cuda", *DEQ_MODES],
+                    help="decode paths to time (\"cuda\": the CUDA C++ scores kernel)")
+    ap.add_argument("--cuda-ctas", type=int, default=mc.CTAS_PER_SM, help='"cuda": CTAs per SM the chunks aim at')
+    ap.add_argument("--cuda-min-ctas", type=int, default=mc.MIN_CTAS[1], help='"cuda": __launch_bounds__ min CTAs (NT=1)')
+    ap.add_argument("--cuda-warps", type=int, default=mc.WARPS, help='"cuda": warps per CTA')
     ap.add_argument("--no-prefill", action="store_true", help="decode points only")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default: 1, or 1 8)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts in tokens")
@@ -171,6 +185,7 @@ def main() -> None:
     # read by the spec builder and the launcher
     mi.FMA_KEYS, mi.FMA_WARPS, mi.FMA_ROWS, mi.FMA_STAGES = args.fma_keys, args.fma_warps, args.fma_rows, args.fma_stages
     mi.CHUNK_WAVES, mi.CHUNK_MAX = args.chunk_waves, args.chunk_max
+    mc.CTAS_PER_SM, mc.MIN_CTAS[1], mc.WARPS = args.cuda_ctas, args.cuda_min_ctas, args.cuda_warps
     ctxs = args.contexts or ((32768, 1 << 20) if args.quick else (32768, 131072, 524288, 1 << 20))
     batches = args.batches or ((1,) if args.quick else (1, 8))
     rows: list[dict] = []

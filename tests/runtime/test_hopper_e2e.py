@@ -67,10 +67,11 @@ def test_compile_dumps_kernel_stages(tmp_path, capsys) -> None:
 
 
 def _cuda_moe_cfg():
-    """The tiny preset widened so the CUDA C++ MegaMoE decode kernels take its MoE (H, I multiples of 256)."""
+    """The tiny preset widened so the CUDA C++ kernels take it: the MegaMoE decode (H, I multiples of 256) and the
+    MSA indexer's decode scores (index head dim 128, KV blocks of 16 tokens)."""
     from m3c.model_defs.presets import m31_tiny
 
-    return m31_tiny().replace(hidden_size=256, moe_intermediate_size=256)
+    return m31_tiny().replace(hidden_size=256, moe_intermediate_size=256, index_head_dim=128, msa_block_size=16)
 
 
 def test_hopper_lowering_compiles_the_cuda_moe_kernels_offline() -> None:
@@ -83,17 +84,20 @@ def test_hopper_lowering_compiles_the_cuda_moe_kernels_offline() -> None:
     assert moe
     cuda = [k for k in moe[0]["specs"] if k.startswith("megamoe_mma")]
     assert len(cuda) == 10
+    msa = [e for e in program.launch_plan if e.get("op") == "msa_attention"]
+    assert msa and any(k.startswith("msa_indexer_mma") for k in msa[0]["specs"])
+    cuda += [k for k in msa[0]["specs"] if k.startswith("msa_indexer_mma")]
     kernels = compiled_kernels(program)
     for key in cuda:
         assert program.kernels[f"{key}.cubin"][:4] == b"\x7fELF"
         assert b".target sm_90a" in program.kernels[f"{key}.ptx"]
-        assert kernels[key].name.startswith("moe_") and kernels[key].arg_types[-1] in ("*u8", "i32")
+        assert kernels[key].name.startswith(("moe_", "msa_index")) and kernels[key].arg_types[-1] in ("*u8", "i32")
 
 
 @pytest.mark.gpu
 def test_cuda_moe_artifact_matches_reference_tokens(tmp_path) -> None:
-    """The widened tiny preset through the artifact (CUDA C++ MoE decode kernels from the artifact's cubins for the
-    decode steps): greedy tokens equal the reference model's for 32 steps."""
+    """The widened tiny preset through the artifact (CUDA C++ MoE decode and MSA indexer kernels from the artifact's
+    cubins for the decode steps): greedy tokens equal the reference model's for 32 steps."""
     cfg = _cuda_moe_cfg()
     program, cfg, _ = compile_preset(cfg, target="hopper", cache=False)
     path = save_artifact(program, cfg, tmp_path / "tiny_cuda_moe.m3c")

@@ -71,9 +71,12 @@ always uses "f32scale"):
   conversion and scale per 16 values. A tile whose q holds ±inf / NaN runs the "fma" loop instead (its IEEE
   products give the reference's ±inf / NaN scores); the tile's finiteness is checked once, before the loop.
   With 4 warps no faster than "fma" on the H200 (1M tokens: batch 1 56.1 vs 52.7 µs, batch 8 293.9 vs 287.3);
-  with 2 warps the fastest path measured and the default (``DEFAULT_DEQ``). Offline sm_90a, 2 warps: 3.8 SASS
-  instructions per key value and 168 registers (6 programs per SM) since the prmt tables are operands kept in
+  with 2 warps the fastest Triton path measured (``TRITON_DEQ``: what "auto" runs where the CUDA C++ kernel
+  does not). Offline sm_90a, 2 warps: 3.8 SASS instructions per key value and 168 registers (6 programs per SM) since the prmt tables are operands kept in
   registers and the ±inf / NaN branch left the loop (was 4.2 and 200 registers, 5 per SM; not yet timed).
+- "cuda" (and "auto", the default, where it runs): not a Triton kernel — the CUDA C++ scores kernel of
+  :mod:`msa_indexer_cuda` (NVFP4 keys decoded by byte permutes straight into ``mma.sync`` fragments, the
+  (row, head) columns as the MMA's N; D = 128, sm_89+). The top-k kernel below follows it as usual.
 The inline PTX runs only on a GPU: the interpreter checks each path's algebra with the same values in
 float32, and the tests check the bit formulas of the PTX on every byte in torch.
 
@@ -117,6 +120,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3c.backends.kernels import msa_indexer_cuda
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import TWO_120, e2m1_nibble_tiny, e2m1_tiny, e4m3_big, e4m3_value, pow2, slices8
 from m3c.backends.kernels.host import interpreting, num_sms, persistent
@@ -127,9 +131,14 @@ from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 
 DEQ_MODES = ("f32scale", "groupdot", "fp8", "fma", "int8")
-"""Decode dequant paths (the ``DEQ`` constexpr is the index): see the module docstring."""
-DEFAULT_DEQ = "int8"
-"""The decode dequant path by default: the fastest measured on the H200 (1M tokens, scores + top-k, 64 keys, 2
+"""The Triton decode dequant paths (the ``DEQ`` constexpr is the index): see the module docstring."""
+DECODE_PATHS = ("auto", "cuda", *DEQ_MODES)
+"""What ``deq=`` takes: a Triton path, "cuda" (the CUDA C++ scores kernel of :mod:`msa_indexer_cuda`; a named error
+where it cannot run) or "auto" (the default: "cuda" where it runs — a CUDA sm_89+ device, D = 128, a block size that
+is a multiple of 16 — else TRITON_DEQ)."""
+DEFAULT_DEQ = "auto"
+TRITON_DEQ = "int8"
+"""The Triton decode dequant path "auto" falls back to: the fastest Triton path measured on the H200 (1M tokens, scores + top-k, 64 keys, 2
 warps: batch 8 258.5 µs vs "fma" 274.4, batch 1 47.2 vs 50.3; session 11: "fma" 66 µs at batch 1 against
 107 "groupdot", 128 "f32scale", 89 "fp8"). Its only loss, 2^-20 of each query row's max, is the size of
 float32 accumulation-order differences (the reference sums in another order anyway); its selections equaled
@@ -777,16 +786,38 @@ def indexer_specs(g: int, d: int, block_size: int, top_k: int, q_dtype: str = "b
     the decode and the prefill scores kernels, then the top-k kernel at each chunk width of TOPK_CH."""
     if q_dtype not in ("bf16", "fp32"):
         raise ShapeError(f"q_dtype={q_dtype!r}: expected 'bf16' or 'fp32'")
-    if deq not in DEQ_MODES:
-        raise ShapeError(f"deq={deq!r}: expected one of {DEQ_MODES}")
+    if deq not in DECODE_PATHS:
+        raise ShapeError(f"deq={deq!r}: expected one of {DECODE_PATHS}")
     if d < 32 or d & (d - 1):
         raise ShapeError(f"index head dim {d} must be a power of two >= 32")
     if block_size < 1 or block_size & (block_size - 1) or top_k < 1 or max_q_rows < 1 or g < 1:
         raise ShapeError(f"block_size={block_size} must be a power of two; top_k={top_k}, max_q_rows={max_q_rows} "
                          f"and index heads {g} must be >= 1")
-    return [*(_scores_spec(g, d, block_size, q_dtype, rows, False, deq, upcast) for rows in sorted({1, max_q_rows})),
+    why = "the Triton interpreter runs no CUDA C++" if upcast else msa_indexer_cuda.supported(g, d, block_size, q_dtype)
+    if deq == "cuda" and why:
+        raise ShapeError(f"deq='cuda': {why}")
+    if deq in ("auto", "cuda") and why is None:
+        decode = [msa_indexer_cuda.scores_spec(block_size, nt, q_dtype)
+                  for nt in sorted({msa_indexer_cuda.column_tiles(rows, g, q_dtype) for rows in (1, max_q_rows)})]
+    else:
+        deq = TRITON_DEQ if deq == "auto" else deq
+        decode = [_scores_spec(g, d, block_size, q_dtype, rows, False, deq, upcast) for rows in sorted({1, max_q_rows})]
+    return [*decode,
             _scores_spec(g, d, block_size, q_dtype, _prefill_rows(g, prefill_m), True, "f32scale", upcast),
             *(_topk_spec(g, block_size, top_k, ch) for ch in TOPK_CH)]
+
+
+def _decode_path(deq: str, index_q: torch.Tensor, block_size: int) -> str:
+    """The decode path a call runs: "auto" -> "cuda" where the CUDA kernel runs, else TRITON_DEQ; "cuda" where it
+    cannot run -> ShapeError with the reason; a Triton path as given."""
+    if deq not in ("auto", "cuda"):
+        return deq
+    why = msa_indexer_cuda.call_supported(index_q, block_size)
+    if why is None:
+        return "cuda"
+    if deq == "cuda":
+        raise ShapeError(f"deq='cuda': {why}; use deq='auto' (falls back to the Triton '{TRITON_DEQ}' path)")
+    return TRITON_DEQ
 
 
 def _check(index_q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, block_size: int, top_k: int,
@@ -799,8 +830,8 @@ def _check(index_q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, b
     d = index_q.shape[2]
     if d < 32 or d & (d - 1):
         raise ShapeError(f"index head dim {d} must be a power of two >= 32")
-    if deq not in DEQ_MODES:
-        raise ShapeError(f"deq={deq!r}: expected one of {DEQ_MODES}")
+    if deq not in DECODE_PATHS:
+        raise ShapeError(f"deq={deq!r}: expected one of {DECODE_PATHS}")
     if deq == "fp8" and d < 64 and not interpreting():
         raise ShapeError(f"deq='fp8' needs index head dim >= 64 (FP8 MMA K = D/2 >= 32), got {d}")
     if block_size < 1 or block_size & (block_size - 1):
@@ -876,12 +907,18 @@ def msa_indexer(
         spec = _scores_spec(g, d, block_size, q_name, rows, True, "f32scale", interpreting())
         n_prog = prefill_tile_count(t, n_req, rows)
     else:
-        spec = _scores_spec(g, d, block_size, q_name, decode_rows(t, n_req, max_q_rows), False, deq, interpreting())
+        rows = decode_rows(t, n_req, max_q_rows)
+        deq = _decode_path(deq, index_q, block_size)
+        spec = None if deq == "cuda" else _scores_spec(g, d, block_size, q_name, rows, False, deq, interpreting())
         n_prog = n_req
-    chunk = chunk_blocks or pick_chunk_blocks(n_prog, mb, spec.constexprs["NBT"], num_sms(dev))
-    runner(spec, (n_prog, triton.cdiv(mb, chunk)),
-           (index_q, k_data, k_scale.view(torch.uint8), positions, query_start_loc, seq_lens, block_table, scores,
-            index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, n_req, chunk))
+    if spec is None:
+        msa_indexer_cuda.index_scores(index_q, k_data, k_scale, positions, query_start_loc, seq_lens, block_table,
+                                      scores, block_size, rows, num_sms(dev), runner, chunk_blocks)
+    else:
+        chunk = chunk_blocks or pick_chunk_blocks(n_prog, mb, spec.constexprs["NBT"], num_sms(dev))
+        runner(spec, (n_prog, triton.cdiv(mb, chunk)),
+               (index_q, k_data, k_scale.view(torch.uint8), positions, query_start_loc, seq_lens, block_table, scores,
+                index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, n_req, chunk))
     ch, n_sl = topk_plan(t * g, mb, num_sms(dev))
     spec = _topk_spec(g, block_size, top_k, ch)
     cand, cnt = _topk_workspace(dev, t * g, spec.constexprs["KO"], n_sl > 1)

@@ -507,7 +507,7 @@ def test_compiles_for_hopper() -> None:
     for deq in mi.DEQ_MODES:
         specs |= {s.key(): s for s in mi.indexer_specs(1, 128, 128, 16, "bf16", 8, deq=deq)}
     specs |= {s.key(): s for s in mi.indexer_specs(4, 128, 128, 16, "bf16", 2)
-              if s.constexprs.get("PREFILL")}  # G=4 prefill: 32 rows × 4
+              if isinstance(s, KernelSpec) and s.constexprs.get("PREFILL")}  # G=4 prefill: 32 rows × 4
     built = compile_kernels(list(specs.values()))
     # per path decode tiles of 1 and 8 rows ("fma": 2), the shared prefill spec, 2 top-k widths, G=4 prefill
     assert len(built) == 2 * len(mi.DEQ_MODES) + 4 and all(k.binary for k in built)
