@@ -3,8 +3,10 @@
 Same block as bench_moe.py (64 NVFP4 experts of 6144x1536, top-8, MXFP8 shared expert, bf16 tokens). For each T:
 the CUDA kernels' output vs the reference MoE in float32 (relative Frobenius error, beside the Triton path's), and
 CUDA-graph times of (a) the expert launches alone over precomputed routing (CUDA C++ and Triton grouped-GEMM
-tiles), (b) the whole op (routing + experts) as megamoe runs it today, (c) routing + CUDA C++ experts; the byte
-floor (touched NVFP4 + MXFP8 bytes at 4.28 TB/s) and each path's fraction of it. Settings to compare: --decode
+tiles), (b) the whole op (routing + experts) as megamoe runs it, side by side with megamoe.CUDA_ROUTE on (one
+launch: router GEMV + routing + token staging, moe_cuda.route_stage) and off (cuBLAS GEMV + fused_route +
+moe_stage_x), and those routing + staging launches alone, (c) the old routing + CUDA C++ experts; the byte floor
+(touched NVFP4 + MXFP8 bytes at 4.28 TB/s) and each path's fraction of it. Settings to compare: --decode
 (0: prmt to f16, 1: prmt to E4M3 + cvt).
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1]
@@ -19,10 +21,12 @@ import torch
 import torch.nn.functional as F
 from _timing import bench_graph, kernel_times, record_point, write_results
 
+from m3c.backends.kernels import megamoe as megamoe_mod
 from m3c.backends.kernels import moe_cuda
 from m3c.backends.kernels.megamoe import megamoe
 from m3c.backends.kernels.moe_prefill import moe_prefill
 from m3c.backends.kernels.moe_routing import fused_route
+from m3c.backends.triton_aot import jit_run
 from m3c.fused.moe import MegaMoE, random_moe
 
 READ_BW = 4.28e12
@@ -41,12 +45,36 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, decodes: list[int]) -> l
     floor_ms = (touched * 3 * H * INTER * 0.5625 + 3 * H * S * 1.03125) / READ_BW * 1e3
     truth = moe(x.float())
     triton_out = moe_prefill(x, ids, w, w13, w2, s13, s2)
+    stage_x = moe_cuda.mma_specs(H, INTER, S, "bf16", 1 if t <= 8 else 2)[0]
+
+    def route_new():
+        return moe_cuda.route_stage(x, mm.gate_w32, mm.bias, K, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+
+    def route_old():
+        i2, w2_, _ = fused_route(F.linear(x.float(), mm.gate_w32), mm.bias, top_k=K,
+                                 routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
+        x16, xmult = torch.empty(t, H, dtype=torch.float16, device="cuda"), torch.empty(t, device="cuda")
+        jit_run(stage_x, (t,), [x, H, x16, xmult])
+        return i2, w2_, x16, xmult
+
+    def whole_op(cuda_route: bool) -> float:
+        megamoe_mod.CUDA_ROUTE = cuda_route
+        try:
+            return bench_graph(lambda: megamoe(x, mm.gate_w32, mm.bias, w13, w2, s13, s2, top_k=K,
+                                               routed_scaling_factor=cfg.routed_scaling_factor,
+                                               norm_topk_prob=cfg.norm_topk_prob))
+        finally:
+            megamoe_mod.CUDA_ROUTE = True
+
+    new_r, old_r = route_new(), route_old()
     base = {"T": t, "experts": touched, "floor_ms": floor_ms,
             "triton_err": float((triton_out.float() - truth).norm() / truth.norm()),
             "triton_experts_ms": bench_graph(lambda: moe_prefill(x, ids, w, w13, w2, s13, s2)),
-            "megamoe_ms": bench_graph(lambda: megamoe(x, mm.gate_w32, mm.bias, w13, w2, s13, s2, top_k=K,
-                                                      routed_scaling_factor=cfg.routed_scaling_factor,
-                                                      norm_topk_prob=cfg.norm_topk_prob))}
+            "megamoe_ms": whole_op(True), "megamoe_old_route_ms": whole_op(False),
+            "route_stage_ms": bench_graph(route_new), "route_old_ms": bench_graph(route_old),
+            "route_ids_equal": bool(torch.equal(new_r[0], old_r[0])),
+            "route_w_maxrel": float(((new_r[1] - old_r[1]).abs() / old_r[1].abs()).max()),
+            "staging_equal": bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3]))}
     rows = []
     for dec in decodes:
         moe_cuda.DECODE = dec
@@ -83,14 +111,16 @@ def main() -> None:
         record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, gen, args.decode))
     write_results("moe_mma", rows, shape=[H, INTER, E, K, S])
     print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
-          f"{'megamoe':>8} {'err':>8} {'tri err':>8}")
+          f"{'megamoe':>8} {'old rt':>8} {'route':>7} {'old rt':>7} {'err':>8} {'tri err':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['T']:>3} {r['error']}")
             continue
         print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['experts_ms'] * 1e3:>7.1f}u "
               f"{r['triton_experts_ms'] * 1e3:>7.1f}u {r['floor_ms'] * 1e3:>6.1f}u {100 * r['bw_fraction']:>5.1f} "
-              f"{r['whole_ms'] * 1e3:>7.1f}u {r['megamoe_ms'] * 1e3:>7.1f}u {r['err']:>8.1e} {r['triton_err']:>8.1e}")
+              f"{r['whole_ms'] * 1e3:>7.1f}u {r['megamoe_ms'] * 1e3:>7.1f}u {r['megamoe_old_route_ms'] * 1e3:>7.1f}u "
+              f"{r['route_stage_ms'] * 1e3:>6.1f}u {r['route_old_ms'] * 1e3:>6.1f}u {r['err']:>8.1e} "
+              f"{r['triton_err']:>8.1e}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ mma.sync fragments; T = 1: 61 vs 170 µs for the experts) where the layout allow
 the grouped-GEMM kernels of :mod:`m3c.backends.kernels.moe_prefill` (NVFP4 decoded in the mainloop, the shared
 expert as extra tiles): CUDA-core GEMV tiles for T <= 3, weight-stationary tensor-core tiles to 16, above that
 token tiles.
-Routing for T <= 64: the router GEMV (float32, cuBLAS) + ONE launch
+Routing for T <= 64: on the CUDA decode path (T <= 16; module flag ``CUDA_ROUTE``, on by default) ONE CUDA C++
+launch (:func:`m3c.backends.kernels.moe_cuda.route_stage`: the float32 router GEMV split over ~200 CTAs, the last
+CTA merges in a fixed order and routes, T more CTAs stage the tokens for the expert kernels), so the whole op is 5
+launches; otherwise the router GEMV (float32, cuBLAS) + ONE launch
 (:func:`m3c.backends.kernels.moe_routing.fused_route`, ~13 µs), which also makes the grouped GEMMs'
 permutation (expert-sorted pairs and offsets: no sort / search launches); above, or with ``exact_routing``, the
 torch routing (bitwise ``MoE.route``, ~25 small launches, ~80 µs at T = 1). ``decode_kernel=True`` runs
@@ -30,13 +33,23 @@ import torch.nn.functional as F
 from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels.host import interpreting
 from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
-from m3c.backends.kernels.moe_cuda import call_support, mma_specs, mma_supported, moe_decode_mma
+from m3c.backends.kernels.moe_cuda import (
+    call_support,
+    mma_specs,
+    mma_supported,
+    moe_decode_mma,
+    route_stage,
+    route_stage_spec,
+    route_supported,
+)
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, moe_decode, shared_format
 from m3c.backends.kernels.moe_prefill import moe_prefill, moe_prefill_specs, moe_prefill_supported
 from m3c.backends.kernels.moe_routing import expert_segments, fused_route, gate_weight, moe_route, route_specs
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ShapeError
 from m3c.model_defs import quant
+
+CUDA_ROUTE = True  # the CUDA decode path routes + stages in one launch (route_stage); False: GEMV + fused_route
 
 
 def megamoe_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
@@ -69,7 +82,8 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
                   w13_fmt: str, shared_fmt: str | None) -> list[KernelSpec | CudaKernelSpec]:
     """Every kernel spec :func:`megamoe` launches for this layout by default (GPU settings): the routing
     (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 16 where the layout allows them (both
-    MMA column-tile counts) and the grouped-GEMM kernels (``decode_kernel=True`` launches
+    MMA column-tile counts; each followed by its one-launch routing + staging kernel where that takes the router, the
+    router weight in float32) and the grouped-GEMM kernels (``decode_kernel=True`` launches
     :func:`m3c.backends.kernels.moe_decode.decode_specs` too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
     why = megamoe_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt)
@@ -79,6 +93,8 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     for nt, tokens in ((1, 1), (2, MMA_MAX_TOKENS)):  # the 8- and 16-token variants, each where it fits
         if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
             mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt)
+            if route_supported(hidden, experts, top_k, act_dtype, tokens) is None:
+                mma.append(route_stage_spec(hidden, experts, act_dtype, nt))
     return route_specs(experts, top_k) + mma + list(moe_prefill_specs(
         hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))
 
@@ -93,6 +109,13 @@ def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
     return call_support(x, w13, shared_w13, top_k) is None
 
 
+def _route_ok(x: torch.Tensor, gate_w: Any, top_k: int) -> bool:
+    """Whether :func:`route_stage` takes this call's router (the shape only: the gate goes in as float32)."""
+    e, hidden = gate_w.shape[0], gate_w.shape[-1]
+    act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
+    return hidden == x.shape[1] and route_supported(hidden, e, top_k, act, x.shape[0]) is None
+
+
 def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, w13: quant.NVFP4Tensor,
             w2: quant.NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, top_k: int, routed_scaling_factor: float,
             norm_topk_prob: bool, runner: Runner = jit_run, out: torch.Tensor | None = None,
@@ -103,7 +126,9 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     ``gate_w`` bf16 [E, H] (or MXFP8Tensor), ``bias`` float32 [E]; ``w13`` NVFP4 [E, 2I, H] (gate rows then
     up), ``w2`` NVFP4 [E, H, I]; shared weights MXFP8Tensor / bf16 ([2S, H], [H, S]) or both None.
     ``workspace`` (decode only) may be reused across calls with the same T. Decode routes with
-    :func:`fused_route` (router GEMV + one launch; pass ``gate_w`` in float32 to skip a conversion);
+    :func:`~m3c.backends.kernels.moe_cuda.route_stage` on the CUDA decode path (one launch, also staging the tokens;
+    ``CUDA_ROUTE``), else :func:`fused_route` (router GEMV + one launch); pass ``gate_w`` in float32 to skip a
+    conversion;
     ``exact_routing`` (and every prefill batch) uses the torch routing, bitwise ``MoE.route``.
 
     Which path: on a CUDA device, T <= 16 runs the CUDA C++ decode kernels
@@ -123,6 +148,11 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
         return out if out is not None else x.new_empty((0, x.shape[1]))
     shared_format(shared_w13)  # raises on an unsupported shared format
     if t <= MAX_DECODE_TOKENS and not exact_routing:
+        if CUDA_ROUTE and not decode_kernel and _mma_ok(x, w13, shared_w13, top_k) and _route_ok(x, gate_w, top_k):
+            ids, weights, x16, xmult = route_stage(x, gate_weight(gate_w, torch.float32), bias, top_k,
+                                                   routed_scaling_factor, norm_topk_prob, runner=runner)
+            return moe_decode_mma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out, x16=x16,
+                                  xmult=xmult)
         logits = F.linear(x.to(torch.float32), gate_weight(gate_w, torch.float32))
         ids, weights, seg = fused_route(logits, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                                         norm_topk_prob=norm_topk_prob, runner=runner)

@@ -10,8 +10,15 @@ the MMA's N (8 columns; 1-8 tokens cost the same MMA). ~2.3 SASS instructions pe
 session 13), ~2.8x the Triton tiles.
 
 Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
+0. (:func:`route_stage`, ``cuda/moe_route.cu``; megamoe's default) ``moe_route_stage``: the float32 router GEMV
+   over ceil(E / 8) x KSPLIT CTAs (one expert a warp, a K slice of 128 CH a CTA; float32 partial sums to a persistent
+   workspace), the last CTA to arrive (atomic counter, left at zero) merges them in ks order and routes every
+   token as ``MoE.route`` (sigmoid with an accurate exp and IEEE division, + bias for the selection, top-k by warp
+   ``redux`` rounds with ties to the smaller expert and NaN above everything as torch.sort, weights normalized in
+   slot order, times the scaling factor); T more CTAs do step 1's staging in the same launch. It replaces the
+   cuBLAS GEMV + ``fused_route`` + ``moe_stage_x`` (3 launches).
 1. ``moe_stage_x``: the tokens as f16 times 2^-e per token (e from the token's largest magnitude, so f16's range
-   never clips; the MMA's f32 result is scaled back).
+   never clips; the MMA's f32 result is scaled back); skipped when the caller passes them staged (step 0).
 2. ``moe_fc1``: CTAs over (touched expert slot | shared expert) x 128-row block x K split (routed: 2 NT when H
    allows; the shared expert's MXFP8 rows, twice the bytes, twice that); each copies its K range of the staged
    tokens to shared memory, then every warp streams two 16-row tiles (the next 256-K super-chunk's 16-byte loads
@@ -44,12 +51,16 @@ import torch
 import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec
-from m3c.backends.kernels.host import derived
+from m3c.backends.kernels.host import derived, persistent
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import M3CError, ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 
 SOURCE = "moe_decode_mma.cu"
+ROUTE_SOURCE = "moe_route.cu"
+ROUTE_MAX_EXPERTS = 256  # 32 x ESLOTS experts per routing warp (8 registers of keys a lane at most)
+ROUTE_MAX_TOPK = 64  # the routing kernel's per-warp selection buffers
+_ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (132 SMs), all resident at once
 WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supported assume it
 MAX_TOKENS = 16  # 1..8 tokens: one 8-column MMA tile (NT = 1); 9..16: two (NT = 2)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
@@ -146,6 +157,103 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
             spec("moe_combine", "*y *ids E T topk KSs P H *out", 8))
 
 
+def route_supported(hidden: int, experts: int, top_k: int, act_dtype: str, tokens: int) -> str | None:
+    """None if :func:`route_stage` takes this router layout and token count, else the reason."""
+    if act_dtype not in ("bf16", "fp32"):
+        return f"activations are {act_dtype}: bf16 or float32 only"
+    if not 1 <= tokens <= MAX_TOKENS:
+        return f"T = {tokens}: the routing kernel takes 1..{MAX_TOKENS} tokens"
+    if not 1 <= experts <= ROUTE_MAX_EXPERTS or not 1 <= top_k <= min(experts, ROUTE_MAX_TOPK):
+        return (f"{experts} experts, top-{top_k}: the routing kernel takes at most {ROUTE_MAX_EXPERTS} experts "
+                f"and top-{ROUTE_MAX_TOPK}")
+    if hidden <= 0 or hidden % 128:
+        return f"H = {hidden}: must be a multiple of 128"
+    return None
+
+
+def route_split(hidden: int, experts: int) -> tuple[int, int]:
+    """(CH, KSPLIT): float4 K chunks per lane and K slices of the router GEMV, from the layout alone (so the logits'
+    summation order, hence the routing, is the same on every device): the shortest slices (most CTAs) keeping
+    ceil(E / 8) x KSPLIT within ``_ROUTE_CTAS``; a slice is 128 CH of the H values."""
+    chunks, groups = hidden // 128, -(-experts // 8)
+    ch = next(d for d in range(1, chunks + 1) if chunks % d == 0 and groups * (chunks // d) <= _ROUTE_CTAS)
+    return ch, chunks // ch
+
+
+def route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKernelSpec:
+    """The CudaKernelSpec of ``moe_route_stage`` (:func:`route_stage`) for this router layout and NT."""
+    return _route_stage_spec(hidden, experts, act, nt)
+
+
+@functools.cache
+def _route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKernelSpec:
+    ch, ksplit = route_split(hidden, experts)
+    d = (("NT", nt), ("ACT_BF16", int(act == "bf16")), ("CH", ch), ("KSPLIT", ksplit), ("ESLOTS", -(-experts // 32)))
+    p, i = "*u8", "i32"
+    types = (("x", p), ("gate", p), ("bias", p), ("T", i), ("H", i), ("E", i), ("topk", i), ("scale", "fp32"), ("norm", i), ("ids", p), ("wts", p), ("logits", p), ("x16", p), ("xmult", p),
+             ("part", p), ("counter", p))
+    return CudaKernelSpec("megamoe_route", ROUTE_SOURCE, "moe_route_stage", types, d, 8, 0)
+
+
+def _route_workspace(device: torch.device, experts: int, ksplit: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """(partial sums [16 E KSPLIT], a zeroed int32 counter, logits scratch [16 E]) kept per device and layout: the
+    kernel leaves the counter at zero, so CUDA-graph replays need nothing reset."""
+    return persistent(("moe_route_stage", str(device), experts, ksplit),
+                      lambda: (torch.empty(MAX_TOKENS * experts * ksplit, dtype=torch.float32, device=device),
+                               torch.zeros(1, dtype=torch.int32, device=device),
+                               torch.empty(MAX_TOKENS * experts, dtype=torch.float32, device=device)))
+
+
+def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top_k: int,
+                routed_scaling_factor: float, norm_topk_prob: bool, *, runner: Runner = jit_run,
+                logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(topk_ids int64 [T, k], topk_weights float32 [T, k], x16 f16 [T, H], xmult float32 [T]) for 1 <= T <= 16
+    tokens in ONE launch (``moe_route_stage``, module docstring step 0): the router logits x @ gate_w32^T in
+    float32, ``MoE.route``'s selection and weights, and the tokens staged for :func:`moe_decode_mma`.
+
+    ``gate_w32`` float32 [E, H] (:func:`~m3c.backends.kernels.moe_routing.gate_weight`), ``bias`` float32 [E].
+    The logits sum in the kernel's own fixed order (deterministic; not cuBLAS's), so ids can differ from the
+    reference only where corrected scores tie within rounding; the weights' normalization sums in slot order (an ulp).
+    NaN logits: as ``torch.sort``, NaN scores come first (ties to the smaller index), their weights NaN.
+    ``logits`` (optional float32 [T, E], contiguous) receives the merged logits (for checks)."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ShapeError(f"route_stage: x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
+    if gate_w32.dim() != 2 or gate_w32.dtype != torch.float32 or gate_w32.shape[1] != x.shape[1]:
+        raise ShapeError(f"route_stage: gate {tuple(gate_w32.shape)} {gate_w32.dtype}: expected float32 "
+                         f"[E, {x.shape[1]}]")
+    t, hidden = x.shape
+    e = gate_w32.shape[0]
+    if tuple(bias.shape) != (e,):
+        raise ShapeError(f"route_stage: bias {tuple(bias.shape)}: expected ({e},)")
+    act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
+    why = route_supported(hidden, e, top_k, act, t)
+    if why:
+        raise ShapeError(f"route_stage: {why}")
+    if logits is not None and (logits.shape != (t, e) or logits.dtype != torch.float32 or not logits.is_contiguous()):
+        raise ShapeError(f"route_stage: logits {tuple(logits.shape)} {logits.dtype}: expected contiguous float32 "
+                         f"[{t}, {e}]")
+    dev = x.device
+    spec = route_stage_spec(hidden, e, act, _nt(t))
+    ksplit = dict(spec.defines)["KSPLIT"]  # the compiled split (whatever route_split would say now)
+    part, counter, scratch = _route_workspace(dev, e, ksplit)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
+    w = torch.empty((t, top_k), dtype=torch.float32, device=dev)
+    x16 = torch.empty((t, hidden), dtype=torch.float16, device=dev)
+    xmult = torch.empty(t, dtype=torch.float32, device=dev)
+    grid = (t + -(-e // 8) * ksplit,)  # T staging CTAs, then the GEMV CTAs
+    runner(spec, grid,
+           [_aligned(x.contiguous()), _aligned(gate_w32.contiguous()), bias.to(torch.float32).contiguous(), t,
+            hidden, e, top_k, float(routed_scaling_factor), int(bool(norm_topk_prob)), ids, w,
+            scratch if logits is None else logits, x16, xmult, part, counter])
+    return ids, w, x16, xmult
+
+
+def _aligned(v: torch.Tensor) -> torch.Tensor:
+    """`v`, or a copy where its start is not 16-byte aligned (the kernel's vector loads)."""
+    return v if v.device.type == "meta" or v.data_ptr() % 16 == 0 else v.clone()
+
+
 def prepack_nvfp4(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) uint8 in the kernel's NVFP4 layout (module docstring) from packed codes [..., N, K/2] and
     E4M3 scales [..., N, K/16] (N a multiple of 16, K of 256)."""
@@ -182,7 +290,8 @@ def prepack_mxfp8(data: torch.Tensor) -> torch.Tensor:
 
 def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: NVFP4Tensor,
                    w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, x16: torch.Tensor | None = None,
+                   xmult: torch.Tensor | None = None) -> torch.Tensor:
     """Routed NVFP4 experts (+ MXFP8 shared expert) for T <= 16 tokens: out [T, H] in x's dtype (bf16 / float32).
 
     ``topk_ids`` int64 / ``topk_weights`` float32 [T, k] (from :func:`~m3c.backends.kernels.moe_routing.fused_route`
@@ -190,7 +299,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     or both None. Prepacked weights are built on first use and kept on the weight tensors (a second copy: the
     prefill kernels read the natural layout), so the first call per weight must run outside CUDA-graph capture
     (:class:`CaptureError` otherwise; the runtime's graphs warm up first). Tokens whose routing produced an id
-    outside [0, E) (NaN router logits) come out NaN."""
+    outside [0, E) (NaN router logits) come out NaN. ``x16`` f16 [T, H] / ``xmult`` float32 [T]: the tokens already
+    staged (:func:`route_stage`): the ``moe_stage_x`` launch is skipped."""
     from m3c.backends.kernels.moe_prefill import nvfp4_row_scales
 
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
@@ -200,6 +310,13 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()):
         raise ShapeError(f"moe_decode_mma: out {tuple(out.shape)} {out.dtype} must be a contiguous {x.dtype} "
                          f"{tuple(x.shape)}")
+    if (x16 is None) != (xmult is None):
+        raise ShapeError("moe_decode_mma: pass both x16 and xmult, or neither")
+    if x16 is not None and (x16.shape != x.shape or x16.dtype != torch.float16 or not x16.is_contiguous()
+                            or tuple(xmult.shape) != (x.shape[0],) or xmult.dtype != torch.float32):
+        raise ShapeError(f"moe_decode_mma: staged tokens x16 {tuple(x16.shape)} {x16.dtype} / xmult "
+                         f"{tuple(xmult.shape)} {xmult.dtype}: expected contiguous f16 {tuple(x.shape)} / float32 "
+                         f"[{x.shape[0]}]")
     why = call_support(x, w13, shared_w13, topk_ids.shape[1])
     if why:
         raise ShapeError(f"moe_decode_mma: {why}")
@@ -231,14 +348,17 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     pairs = routed_pairs + (t if shared else 0)
     rows_ws = max(two_i, 2 * s)
     dev = x.device
-    x16 = torch.empty((t, hidden), dtype=torch.float16, device=dev)
-    xmult = torch.empty(t, dtype=torch.float32, device=dev)
+    staged = x16 is not None
+    if not staged:
+        x16 = torch.empty((t, hidden), dtype=torch.float16, device=dev)
+        xmult = torch.empty(t, dtype=torch.float32, device=dev)
     h = torch.empty((max(ks1, ks1s), pairs, rows_ws), dtype=torch.float32, device=dev)
     act16 = torch.empty((pairs, rows_ws // 2), dtype=torch.float16, device=dev)
     amult = torch.empty(pairs, dtype=torch.float32, device=dev)
     y = torch.empty((ks2s, pairs, hidden), dtype=torch.float32, device=dev)
     out = torch.empty_like(x) if out is None else out
-    runner(stage_x, (t,), [x.contiguous(), hidden, x16, xmult])
+    if not staged:
+        runner(stage_x, (t,), [x.contiguous(), hidden, x16, xmult])
     grid1 = (n_slots * two_i // _ROWS_PER_CTA * ks1 + 2 * s // _ROWS_PER_CTA * ks1s,)
     runner(fc1, grid1, [x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
                         hidden, ks1, ks1s, h, pairs, rows_ws])

@@ -104,7 +104,7 @@ def test_supported_reasons() -> None:
 
     cuda = [sp for sp in megamoe_specs(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
             if isinstance(sp, CudaKernelSpec)]
-    assert len(cuda) == 5 and all(dict(sp.defines)["NT"] == 1 for sp in cuda)
+    assert len(cuda) == 6 and all(dict(sp.defines)["NT"] == 1 for sp in cuda)  # 5 expert kernels + routing
     assert all(sp.shared_bytes <= moe_cuda.SMEM_LIMIT for sp in cuda)
 
 
@@ -166,9 +166,9 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
 
     specs = megamoe_specs(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
     cuda = [s for s in specs if isinstance(s, CudaKernelSpec)]
-    names = ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine"]
+    names = ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine", "moe_route_stage"]
     assert [s.kernel for s in cuda] == names * 2  # NT = 1 and 2
-    assert len({s.key() for s in cuda}) == 10
+    assert len({s.key() for s in cuda}) == 12
     got = compile_kernels(cuda[:2])
     assert [k.key for k in got] == [s.key() for s in cuda[:2]] and got[1].shared_bytes == cuda[1].shared_bytes
     assert got[1].arg_types[:3] == ["*u8", "*u8", "i32"]
@@ -177,9 +177,11 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     assert tiny and not any(isinstance(s, CudaKernelSpec) for s in tiny)
 
 
-def test_cuda_dispatch_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """T <= 16 on a CUDA device goes to the CUDA kernels; every launch is a spec the offline lowering compiled
-    (meta tensors stand in for the GPU: no data, no sync), with the grids the kernels expect."""
+@pytest.mark.parametrize("cuda_route", [True, False])
+def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """T <= 16 on a CUDA device goes to the CUDA kernels (routing + staging in one CUDA launch with ``CUDA_ROUTE``,
+    else the GEMV + fused_route + moe_stage_x); every launch is a spec the offline lowering compiled (meta tensors
+    stand in for the GPU: no data, no sync), with the grids the kernels expect."""
     from m3c.backends.kernels import megamoe as mm_mod
     from m3c.backends.kernels import moe_routing
     from m3c.backends.kernels.megamoe import megamoe, megamoe_specs
@@ -189,6 +191,8 @@ def test_cuda_dispatch_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatc
     h, inter, e, k, s = 6144, 1536, 64, 8, 1536
     listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")}
     monkeypatch.setattr(mm_mod, "_mma_ok", lambda x, w13, sw13, top_k: x.shape[0] <= moe_cuda.MAX_TOKENS)
+    monkeypatch.setattr(mm_mod, "CUDA_ROUTE", cuda_route)
+    first = "moe_route_stage" if cuda_route else "moe_stage_x"
 
     def meta_nvfp4(*shape: int) -> quant.NVFP4Tensor:
         return quant.NVFP4Tensor(torch.empty(*shape[:-1], shape[-1] // 2, dtype=torch.uint8, device="meta"),
@@ -208,7 +212,8 @@ def test_cuda_dispatch_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatc
                 routed_scaling_factor=2.5, norm_topk_prob=True,
                 runner=lambda sp, grid, args, seen=seen: seen.append((sp, grid, args)))
         kernels = [sp.kernel for sp, _, _ in seen if getattr(sp, "kernel", None)]
-        assert kernels == ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine"], (t, kernels)
+        assert kernels == [first, "moe_fc1", "moe_act", "moe_fc2", "moe_combine"], (t, kernels)
+        assert len(seen) == (5 if cuda_route else 6), t  # the old path also launches fused_route (Triton)
         assert all(sp.key() in listed for sp, _, _ in seen), t
         nt = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == "moe_fc1").defines)["NT"]
         assert nt == (1 if t <= 8 else 2)
@@ -218,6 +223,9 @@ def test_cuda_dispatch_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatc
         fc1_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc1")
         ks1 = 2 * nt
         assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1
+        if cuda_route:
+            grid0 = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_route_stage")
+            assert grid0 == (t + (e // 8) * moe_cuda.route_split(h, e)[1],)
 
 
 @pytest.mark.gpu
