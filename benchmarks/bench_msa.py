@@ -46,9 +46,9 @@ def eager_ms(fn) -> float:
     return bench(fn, warmup=3, rep=30)
 
 
-def only(family: str):
-    """A runner launching only the kernels of `family` (the others' outputs stay as the last full run left them)."""
-    return lambda spec, grid, args: jit_run(spec, grid, args) if spec.family.startswith(family) else None
+def only(*families: str):
+    """A runner launching only the kernels of `families` (the others' outputs stay as the last full run left them)."""
+    return lambda spec, grid, args: jit_run(spec, grid, args) if spec.family.startswith(families) else None
 
 
 def make_batch(ctx: int, batch: int, rows: int, dev: str = "cuda") -> dict:
@@ -107,7 +107,7 @@ def run_point(ctx: int, batch: int, rows: int, reference: bool) -> dict:
     row["selection_rows_differing"] = int((sel[:n_ref] != r_sel).any(-1).sum())
     row["msa_ms"] = graph_ms(msa)
     row["indexer_ms"] = graph_ms(indexer)
-    row["scores_ms"] = graph_ms(lambda: indexer(only("msa_indexer_scores")))
+    row["scores_ms"] = graph_ms(lambda: indexer(only("msa_indexer_scores", "msa_indexer_mma")))  # Triton / CUDA
     row["topk_ms"] = graph_ms(lambda: indexer(only("msa_topk")))
     row["attention_ms"] = graph_ms(attention)
     sel_blocks = sum(torch.unique(sel[r * rows:(r + 1) * rows].clamp(min=0)).numel() for r in range(batch))
