@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -55,9 +56,33 @@ class CudaKernelSpec:
 
 
 @functools.cache
+def source_text(source: str) -> str:
+    """A kernel source with every ``#include "name"`` of a header under ``kernels/cuda`` replaced by that header's
+    text (each once): what nvcc compiles, in one piece (read once per process)."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        out = []
+        for line in (SOURCE_DIR / name).read_text().splitlines(keepends=True):
+            m = _INCLUDE.match(line)
+            if m and (SOURCE_DIR / m.group(1)).exists():
+                if m.group(1) not in seen:
+                    seen.add(m.group(1))
+                    out.append(expand(m.group(1)))
+            elif line.strip() != "#pragma once":
+                out.append(line)
+        return "".join(out)
+
+    return expand(source)
+
+
+_INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')
+
+
+@functools.cache
 def _source_sha(source: str) -> str:
-    """sha256 of a kernel source (read once per process)."""
-    return hashlib.sha256((SOURCE_DIR / source).read_bytes()).hexdigest()
+    """sha256 of a kernel source with its headers (:func:`source_text`), so a header edit changes every key."""
+    return hashlib.sha256(source_text(source).encode()).hexdigest()
 
 
 def find_nvcc() -> str:
@@ -87,7 +112,7 @@ def compile_cuda(spec: CudaKernelSpec, arch: str = "sm_90a", target_name: str = 
     """nvcc -cubin for `arch` (one nvcc run per source and defines: the kernels of one .cu share it); the
     CompiledKernel's stages hold the source, the PTX (and the SASS with `keep_sass`)."""
     binary, ptx = _nvcc(spec.source, spec.defines, arch)
-    stages = {"cu": (SOURCE_DIR / spec.source).read_text(), "ptx": ptx}
+    stages = {"cu": source_text(spec.source), "ptx": ptx}
     if keep_sass:
         stages["sass"] = disassemble(binary)
     names = [n for n, _ in spec.arg_types]

@@ -1,8 +1,9 @@
 // MegaMoE decode (1 <= T <= 8 * NT tokens) for sm_90: NVFP4 routed experts + MXFP8 shared expert, weights streamed
 // once from a prepacked layout, decoded in registers straight into mma.sync m16n8k16 f16 A fragments (weights are
-// the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No headers: builds with a
-// bare nvcc (PyPI) or NVRTC. Compile-time settings: WARPS (warps per CTA), NT (8-token column tiles), ACT_BF16
-// (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt).
+// the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No system headers (only
+// ptx_common.cuh): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (8-token
+// column tiles), ACT_BF16 (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by
+// lookups to E4M3 + cvt).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine.
 #ifndef WARPS
 #define WARPS 4
@@ -19,55 +20,17 @@
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 #define MAXT (8 * NT)
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+#include "ptx_common.cuh"
 
-__device__ __forceinline__ uint4 ld_stream4(const u8* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
 __device__ __forceinline__ uint2 ld_stream2(const u8* p) {
   uint2 r;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ u32 e4m3x2_lo(u32 v) {  // the two E4M3 bytes in v's low half -> f16x2 (exact)
-  u32 r;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(r) : "r"(v));
-  return r;
-}
-__device__ __forceinline__ u32 e4m3x2_hi(u32 v) {
-  u32 r;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }" : "=r"(r) : "r"(v));
-  return r;
-}
-__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 __device__ __forceinline__ float bf16_round(float v) {
   u16 b;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
   return __uint_as_float(((u32)b) << 16);
-}
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ float load_act(const void* x, long i) {
 #if ACT_BF16
@@ -76,9 +39,6 @@ __device__ __forceinline__ float load_act(const void* x, long i) {
   return ((const float*)x)[i];
 #endif
 }
-
-// One E4M3 scale byte (byte `i` of `w`) as the f16x2 pair (s, s).
-__device__ __forceinline__ u32 scale_pair(u32 w, u32 i) { return e4m3x2_lo(prmt(w, 0u, i | (i << 4))); }
 
 // Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
 // rows' scale pairs.

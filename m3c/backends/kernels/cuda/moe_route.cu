@@ -2,7 +2,8 @@
 // GEMV split over many CTAs, the last CTA to arrive merges the partial sums in a fixed order and routes every token
 // (sigmoid, + correction bias for the selection, stable top-k, weights), and T extra CTAs stage the tokens for the
 // expert kernels of moe_decode_mma.cu (what its moe_stage_x does). Host side and numerics:
-// m3c/backends/kernels/moe_cuda.py (route_stage). No headers: builds with a bare nvcc (PyPI) or NVRTC.
+// m3c/backends/kernels/moe_cuda.py (route_stage). No system headers (only ptx_common.cuh): builds with a bare nvcc
+// (PyPI).
 // Compile-time settings: NT (8-token column tiles: T <= 8 NT), ACT_BF16 (tokens bf16, else float32), CH (float4
 // K chunks per lane: a CTA's K slice is 128 CH), KSPLIT (K slices: H = 128 CH KSPLIT), ESLOTS (experts per lane in
 // the routing warps: E <= 32 ESLOTS).
@@ -35,8 +36,7 @@
 #define THREADS 256
 #define WARPS_R 8
 
-typedef unsigned int u32;
-typedef unsigned short u16;
+#include "ptx_common.cuh"
 
 __device__ __forceinline__ float4 ld_stream_f4(const float* p) {
   float4 r;
@@ -59,11 +59,6 @@ __device__ __forceinline__ u32 redux_max(u32 v) {
 __device__ __forceinline__ u32 redux_min(u32 v) {
   u32 r;
   asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
-  return r;
-}
-__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 __device__ __forceinline__ float load_act(const void* x, long i) {

@@ -1,8 +1,9 @@
 // MSA indexer decode scores for sm_89+: NVFP4 index keys (the paged cache's natural layout) decoded in registers
 // straight into mma.sync m16n8k16 f16 A fragments (keys are the MMA's M, the (query row, index head) columns its N),
-// block-max pooled per KV block: out[t, g, b] float32. Layout, numerics and launch: m3c/backends/kernels/msa_indexer_cuda.py.
-// No headers: builds with a bare nvcc. Compile-time settings: WARPS (warps per CTA), BS (KV block size, a multiple of
-// 16), NT (MMA column tiles per pass), Q_F32 (float32 queries, else bf16). The index head dim is 128 (64 code bytes + 8 E4M3 scale bytes a key).
+// block-max pooled per KV block: out[t, g, b] float32. Layout, numerics and launch:
+// m3c/backends/kernels/msa_indexer_cuda.py. No system headers (only ptx_common.cuh): builds with a bare nvcc.
+// Compile-time settings: WARPS (warps per CTA), BS (KV block size, a multiple of 16), NT (MMA column tiles per pass),
+// Q_F32 (float32 queries, else bf16), MIN_CTAS. The index head dim is 128 (64 code bytes + 8 E4M3 scale bytes a key).
 #ifndef WARPS
 #define WARPS 4
 #endif
@@ -24,39 +25,11 @@
 #define SPB (BS / STEP_KEYS)                  // steps per KV block
 #define BTR 2                                  // block-table registers a lane holds: <= 64 blocks per warp
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
+#include "ptx_common.cuh"
 
-__device__ __forceinline__ uint4 ld_stream4(const u8* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
 __device__ __forceinline__ u32 ld_stream_u16(const u8* p) {
   u16 r;
   asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-  u32 r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-  return r;
-}
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 r;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
-__device__ __forceinline__ u32 e4m3x2_lo(u32 v) {  // the two E4M3 bytes in v's low half -> f16x2 (exact)
-  u32 r;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(r) : "r"(v));
-  return r;
-}
-__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
 __device__ __forceinline__ float f16_round(float v) {  // v rounded to f16 (as a float; +-inf past f16's range)
@@ -71,14 +44,6 @@ __device__ __forceinline__ float nan_max(float a, float b) {  // NaN if either i
   asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// One E4M3 scale byte (byte `i` of `w`) as the f16x2 pair (s, s).
-__device__ __forceinline__ u32 scale_pair(u32 w, u32 i) { return e4m3x2_lo(prmt(w, 0u, i | (i << 4))); }
 
 // Eight E2M1 codes in their natural packing (nibble i of w = element i) -> four f16x2 pairs p[i] = (element 2i,
 // element 2i + 1): magnitudes by one byte lookup each (f16 high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6), the sign bits
@@ -160,7 +125,10 @@ __device__ __forceinline__ float load_query(const void* q, long off, bool ok, fl
     const uint4 v = ok ? src[i] : make_uint4(0u, 0u, 0u, 0u);
     const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int k = 0; k < 4; ++k) x[8 * i + 2 * k] = __uint_as_float(w[k] << 16), x[8 * i + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    for (int k = 0; k < 4; ++k) {
+      x[8 * i + 2 * k] = __uint_as_float(w[k] << 16);
+      x[8 * i + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    }
   }
 #endif
 #pragma unroll

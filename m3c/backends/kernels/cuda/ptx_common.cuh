@@ -1,0 +1,47 @@
+// Helpers shared by the CUDA C++ kernels of this directory (included by each .cu; no system headers): integer
+// types, streaming loads, byte permutes, f16 / E4M3 conversions and the mma.sync m16n8k16 f16 -> f32 MMA.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __forceinline__ uint4 ld_stream4(const u8* p) {  // 16 bytes read once: no L1 allocation
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ u32 e4m3x2_lo(u32 v) {  // the two E4M3 bytes in v's low half -> f16x2 (exact)
+  u32 r;
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(r) : "r"(v));
+  return r;
+}
+__device__ __forceinline__ u32 e4m3x2_hi(u32 v) {  // ... in v's high half
+  u32 r;
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }" : "=r"(r) : "r"(v));
+  return r;
+}
+__device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// d += A (16 x 16, row) . B (16 x 8, col), f16 inputs, f32 accumulators (the lane's fragments).
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// One E4M3 scale byte (byte `i` of `w`) as the f16x2 pair (s, s).
+__device__ __forceinline__ u32 scale_pair(u32 w, u32 i) { return e4m3x2_lo(prmt(w, 0u, i | (i << 4))); }
