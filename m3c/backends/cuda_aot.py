@@ -5,8 +5,9 @@ A :class:`CudaKernelSpec` stands where a Triton :class:`~m3c.backends.triton_aot
 ``family`` and a stable ``key()``, :func:`m3c.backends.triton_aot.compile_kernels` compiles it into the same
 :class:`~m3c.backends.triton_aot.CompiledKernel` (so artifacts and the runtime's ``CubinRunner`` take it
 unchanged), and :func:`m3c.backends.triton_aot.jit_run` launches it. Sources live next to their host launcher
-(``m3c/backends/kernels/cuda/*.cu``) and include no headers, so a bare nvcc compiles them (PyPI's
-``nvidia-cuda-nvcc`` on a CPU machine, the toolkit's on a GPU machine). Kernels take two trailing unused pointer
+(``m3c/backends/kernels/cuda/*.cu``) and include no system headers, only their shared ``ptx_common.cuh``, so a bare
+nvcc compiles them (PyPI's ``nvidia-cuda-nvcc`` on a CPU machine, the toolkit's on a GPU machine); a spec's key
+covers the source with that header expanded (:func:`source_text`). Kernels take two trailing unused pointer
 arguments, as Triton's do, so one launcher serves both.
 """
 
