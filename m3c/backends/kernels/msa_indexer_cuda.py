@@ -49,16 +49,16 @@ CTAS_PER_SM = 6
 """CTAs per SM the chunk size aims at: two waves of the 3 resident (MIN_CTAS) CTAs — H200, 1M tokens, batch 8,
 scores + top-k, same run: 210.6 µs at 6 vs 216.9 at 3 (batch 1: 44.5 vs 44.2); 4 resident (MIN_CTAS 4: 128
 registers, spilling) with 4 per SM took 224.4."""
-MAX_BLOCKS_PER_WARP = 64  # two block-table registers a lane
+MAX_BLOCKS_PER_WARP = 64  # the kernel's BTR = 2 block-table registers a lane
 
 
 def supported(g: int, d: int, block_size: int, q_dtype: str) -> str | None:
-    """None if the CUDA scores kernel takes this layout (any G; D = 128; a block size that is a multiple of 16;
-    bf16 or float32 queries), else the reason."""
+    """None if the CUDA scores kernel takes this layout (any G; D = 128; a block size of 16, 32 or a multiple of 64:
+    whole 64-key steps; bf16 or float32 queries), else the reason."""
     if d != HEAD_DIM:
         return f"index head dim {d}: the CUDA kernel takes {HEAD_DIM}"
-    if block_size < 16 or block_size % 16:
-        return f"block size {block_size}: the CUDA kernel takes multiples of 16"
+    if block_size not in (16, 32) and (block_size < 64 or block_size % 64):
+        return f"block size {block_size}: the CUDA kernel takes 16, 32 or multiples of 64"
     if q_dtype not in ("bf16", "fp32"):
         return f"index queries are {q_dtype}: the CUDA kernel takes bf16 or float32"
     if g < 1:
@@ -99,9 +99,10 @@ def _scores_spec(block_size: int, nt: int, q_f32: bool, warps: int, min_ctas: in
     return CudaKernelSpec("msa_indexer_mma", SOURCE, "msa_index_scores", types, defines, warps, 0)
 
 
-def pick_chunk(n_req: int, max_blocks: int, num_sms: int, warps: int = WARPS) -> int:
+def pick_chunk(n_req: int, max_blocks: int, num_sms: int, warps: int | None = None) -> int:
     """Blocks per CTA: each request's table split into at most CTAS_PER_SM x SMs / requests chunks, a multiple of
-    ``warps``, at most MAX_BLOCKS_PER_WARP a warp."""
+    ``warps`` (default: WARPS, read at call time), at most MAX_BLOCKS_PER_WARP a warp."""
+    warps = warps or WARPS
     per_req = max(1, CTAS_PER_SM * num_sms // max(n_req, 1))
     chunk = triton.cdiv(triton.cdiv(max(max_blocks, 1), per_req), warps) * warps
     return min(chunk, MAX_BLOCKS_PER_WARP * warps)
@@ -117,10 +118,10 @@ def index_scores(index_q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Ten
     n_req, mb = block_table.shape
     vec = 16 // index_q.element_size()
     if index_q.data_ptr() % 16 or index_q.stride(0) % vec or index_q.stride(1) % vec or index_q.stride(2) != 1:
-        index_q = index_q.contiguous()  # 16-byte query loads
+        index_q = index_q.clone(memory_format=torch.contiguous_format)  # 16-byte query loads: a fresh allocation
     q_dtype = "bf16" if index_q.dtype == torch.bfloat16 else "fp32"
     spec = scores_spec(block_size, column_tiles(rows, g, q_dtype), q_dtype)
-    chunk = min(chunk_blocks, MAX_BLOCKS_PER_WARP * WARPS) if chunk_blocks else pick_chunk(n_req, mb, num_sms)
+    chunk = min(chunk_blocks or pick_chunk(n_req, mb, num_sms), MAX_BLOCKS_PER_WARP * WARPS)  # the kernel's limit
     runner(spec, (n_req, triton.cdiv(mb, chunk)),
            (index_q, k_data, k_scale.view(torch.uint8), positions, query_start_loc, seq_lens, block_table, scores,
             index_q.stride(0), index_q.stride(1), block_table.stride(0), mb, g, chunk))

@@ -77,12 +77,11 @@ def _twin_tile(codes: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> to
     # query staging: e from the column's largest finite magnitude, q * 2^-e rounded to f16 (pairs of elements)
     qf = q.float()
     fin = qf.abs().masked_fill(~torch.isfinite(qf), 0).amax(-1)
-    bits = fin.view(torch.int32)
-    e = torch.where(fin > 0, ((bits >> 23) & 0xFF) - 127 - 14, 0).clamp(-126, 126)
-    scaled = qf * torch.exp2(-e.float())[:, None]
+    e = torch.where(fin > 0, torch.frexp(fin).exponent - 1 - 14, 0)  # floor(log2 max) - 14, subnormals too
+    scaled = qf.double() * torch.exp2(-e.double())[:, None]  # exact (the kernel: two power-of-two factors)
     staged = scaled.half().double()  # [N, 128]
     if q.dtype == torch.float32:  # + the lo column: f16 of what the hi one left
-        staged = staged + (scaled - scaled.half().float()).half().double()
+        staged = staged + (scaled - scaled.half().double()).half().double()
     out = torch.zeros(16, n, dtype=torch.float64)
     for c in range(4):  # lanes (g, c): the MMA sums over c and the 8 steps
         words = codes[:, 16 * c: 16 * c + 16].contiguous().view(torch.int32).to(torch.int64) & M32  # [16, 4]
@@ -132,6 +131,11 @@ def test_lane_twin_equals_dense_dot(trial: int, rng: torch.Generator) -> None:
     bound = 2.0**-21 * (keys.abs() @ q32.double().abs().T)
     assert ((got - want).abs() <= bound).all()
     assert ((_twin_tile(codes, scales.view(torch.uint8), q32.bfloat16().float()) - want).abs() > bound).any()
+    # float32 columns of tiny (subnormal) and huge magnitude keep their 22 bits: the staging exponent is not clamped
+    q_ext = torch.randn(3, 128, generator=rng) * torch.tensor([2.0**-135, 2.0**-120, 2.0**120])[:, None]
+    want = keys @ q_ext.double().T
+    bound = 2.0**-21 * (keys.abs() @ q_ext.double().abs().T) + 2.0**-149 * 128 * 2688
+    assert ((_twin_tile(codes, scales.view(torch.uint8), q_ext) - want).abs() <= bound).all()
 
 
 def test_decode8_every_nibble() -> None:
@@ -166,6 +170,7 @@ def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Gene
     forcing call_supported — while prefill stays on Triton."""
     assert mc.supported(1, 128, 128, "bf16") is None and mc.supported(4, 128, 16, "bf16") is None
     assert "128" in mc.supported(1, 64, 128, "bf16") and "16" in mc.supported(1, 128, 8, "bf16")
+    assert mc.supported(1, 128, 256, "bf16") is None and "multiples of 64" in mc.supported(1, 128, 96, "bf16")
     assert mc.supported(1, 128, 128, "fp32") is None and "bf16 or float32" in mc.supported(1, 128, 128, "fp16")
     specs = mi.indexer_specs(1, 128, 128, 16, "bf16", 8)
     cuda = [s for s in specs if isinstance(s, CudaKernelSpec)]
@@ -194,6 +199,15 @@ def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Gene
     assert isinstance(spec, CudaKernelSpec) and spec.key() in listed and topk[0].key() in listed
     chunk = args[-1]
     assert grid == (2, -(-b["block_table"].shape[1] // chunk)) and chunk % mc.WARPS == 0
+    # a contiguous but misaligned index_q (a view 2 bytes into its storage) reaches the kernel as an aligned copy
+    seen.clear()
+    buf = torch.empty(1 + b["index_q"].numel(), dtype=torch.bfloat16)
+    q_odd = buf[1:].view(b["index_q"].shape)
+    q_odd.copy_(b["index_q"])
+    assert q_odd.is_contiguous() and q_odd.data_ptr() % 16
+    mi.msa_indexer(**{**b, "index_q": q_odd}, block_size=bs, top_k=4, runner=record)
+    q_seen = seen[0][2][0]
+    assert q_seen.data_ptr() % 16 == 0 and torch.equal(q_seen, q_odd)
     seen.clear()
     b = _batch([300, 70], [40, 3], bs, 128, 2, rng, exact=True, q_dtype=torch.bfloat16)
     mi.msa_indexer(**b, block_size=bs, top_k=4, max_q_rows=4, runner=record)
@@ -201,12 +215,15 @@ def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Gene
 
 
 @pytest.mark.parametrize("n_req,mb,sms", [(8, 8192, 132), (1, 8192, 132), (1, 3, 132), (32, 1024, 132), (3, 100, 8)])
-def test_pick_chunk(n_req: int, mb: int, sms: int) -> None:
-    """Chunks: a multiple of WARPS, at most MAX_BLOCKS_PER_WARP blocks a warp, about CTAS_PER_SM CTAs per SM."""
-    c = mc.pick_chunk(n_req, mb, sms)
-    assert c % mc.WARPS == 0 and mc.WARPS <= c <= mc.MAX_BLOCKS_PER_WARP * mc.WARPS
-    ctas = n_req * -(-mb // c)
-    assert ctas <= mc.CTAS_PER_SM * sms or c == mc.MAX_BLOCKS_PER_WARP * mc.WARPS
+def test_pick_chunk(n_req: int, mb: int, sms: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks: a multiple of WARPS (read at call time: the benchmark's knob), at most MAX_BLOCKS_PER_WARP blocks a
+    warp, about CTAS_PER_SM CTAs per SM."""
+    for warps in (4, 2, 8):
+        monkeypatch.setattr(mc, "WARPS", warps)
+        c = mc.pick_chunk(n_req, mb, sms)
+        assert c % warps == 0 and warps <= c <= mc.MAX_BLOCKS_PER_WARP * warps
+        ctas = n_req * -(-mb // c)
+        assert ctas <= mc.CTAS_PER_SM * sms or c == mc.MAX_BLOCKS_PER_WARP * warps
 
 
 # ---- GPU (H200) ----
@@ -228,7 +245,8 @@ def test_m31_small_long_contexts(exact: bool, q_dtype: torch.dtype, rng: torch.G
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs,g,rows,max_rows,chunk", [(16, 1, [1, 3, 2], 4, None), (64, 4, [4, 1, 2], 4, 3),
-                                                      (128, 4, [8, 5, 1], 8, 5), (32, 2, [1, 1, 1], 8, 4)])
+                                                      (128, 4, [8, 5, 1], 8, 5), (32, 2, [1, 1, 1], 8, 4),
+                                                      (256, 1, [2, 0, 3], 4, None)])
 def test_block_sizes_heads_and_columns(bs: int, g: int, rows: list[int], max_rows: int, chunk: int | None,
                                        rng: torch.Generator) -> None:
     """Block sizes 16..128 (one step a block below 64 keys), several index heads (bf16: 16 columns are two MMA tiles,
@@ -263,6 +281,18 @@ def test_queries_of_any_magnitude(q_dtype: torch.dtype, rng: torch.Generator) ->
     assert ((scores - ref).abs()[fin] <= 5e-5 * ref.abs()[fin].max()).all()
     assert (scores[3, 0][fin[3, 0]] == 0).all()
     assert torch.equal(sel, ops.select_blocks(scores, b["positions"], bs, 4))
+    # the largest finite magnitudes count as finite (the column's scale comes from them, no f16 overflow), and
+    # float32 columns of subnormal magnitude keep their precision
+    b = _batch(lens, rows, bs, 128, 2, rng, exact=False, q_dtype=q_dtype, device="cuda")
+    b["index_q"][0, 0, 3] = 3.0e38
+    if q_dtype == torch.float32:
+        b["index_q"][1, 1] *= 2.0**-135
+    scores, _ = _run(b, bs, 4, deq="cuda", max_q_rows=4)
+    ref = _reference(b, bs)
+    assert torch.equal(scores.isfinite(), ref.isfinite())
+    fin = ref.isfinite()
+    row_max = ref.abs().masked_fill(~fin, 0).amax(-1, keepdim=True)
+    assert ((scores - ref).abs().masked_fill(~fin, 0) <= 5e-5 * row_max + 2.0**-140).all()
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@
 #define STEP_KEYS (16 * STEP_TILES)
 #define SPB (BS / STEP_KEYS)                  // steps per KV block
 #define BTR 2                                  // block-table registers a lane holds: <= 64 blocks per warp
+static_assert(BS % STEP_KEYS == 0, "BS must be 16, 32 or a multiple of 64");
 
 #include "ptx_common.cuh"
 
@@ -38,6 +39,10 @@ __device__ __forceinline__ float f16_round(float v) {  // v rounded to f16 (as a
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
   asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
   return r;
+}
+__device__ __forceinline__ float scale_pow2(float v, int e) {  // v 2^e for |e| <= 163, as two normal factors
+  const int e1 = e / 2, e2 = e - e / 2;
+  return v * __uint_as_float((u32)(127 + e1) << 23) * __uint_as_float((u32)(127 + e2) << 23);
 }
 __device__ __forceinline__ float nan_max(float a, float b) {  // NaN if either is NaN (torch.amax's rule)
   float r;
@@ -133,7 +138,7 @@ __device__ __forceinline__ float load_query(const void* q, long off, bool ok, fl
 #endif
 #pragma unroll
   for (int i = 0; i < 32; ++i)
-    if (fabsf(x[i]) < 3.0e38f) m = fmaxf(m, fabsf(x[i]));
+    if (fabsf(x[i]) <= 3.40282347e38f) m = fmaxf(m, fabsf(x[i]));  // finite only (NaN compares false)
   return m;
 }
 
@@ -157,7 +162,7 @@ msa_index_scores(const void* q, const u8* kd, const u8* ks, const long long* pos
     // Stage the lane's MMA column: its query column's elements 32 c .. 32 c + 31 as f16 times 2^-e (e from the
     // column's largest finite magnitude: f16's range never clips; +-inf / NaN stay what they are).
     u32 bq[NT][16];
-    float up_b[NT];
+    int e_b[NT];
     int pos_b[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -169,14 +174,15 @@ msa_index_scores(const void* q, const u8* kd, const u8* ks, const long long* pos
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
       const u32 bits = __float_as_uint(m);
-      int e = m > 0.f ? (int)((bits >> 23) & 0xFF) - 127 - 14 : 0;  // m * 2^-e in [2^14, 2^15)
-      e = max(-126, min(126, e));
-      const float down = __uint_as_float((u32)(127 - e) << 23);
-      up_b[nt] = __uint_as_float((u32)(127 + e) << 23);
+      // m * 2^-e in [2^14, 2^15) (float32 subnormal m: e down to -163); 2^-e and 2^e as two normal factors each
+      int e = m > 0.f ? ((bits >> 23) & 0xFF ? (int)((bits >> 23) & 0xFF) - 127 : -149 + 31 - __clz(bits)) - 14 : 0;
+      const int e1 = e / 2, e2 = e - e / 2;
+      const float down1 = __uint_as_float((u32)(127 - e1) << 23), down2 = __uint_as_float((u32)(127 - e2) << 23);
+      e_b[nt] = e;
       pos_b[nt] = ok ? (int)pos[t] : -1;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
-        float a = x[2 * i] * down, b = x[2 * i + 1] * down;
+        float a = x[2 * i] * down1 * down2, b = x[2 * i + 1] * down1 * down2;
 #if Q_F32
         if (g & 1) {  // the lo column: what f16 left of the hi one (0 where hi is +-inf / NaN)
           const float ha = f16_round(a), hb = f16_round(b);
@@ -188,16 +194,16 @@ msa_index_scores(const void* q, const u8* kd, const u8* ks, const long long* pos
       }
     }
     // This lane's result columns (bf16: 2c, 2c + 1; float32: query column c, MMA columns 2c + 0 / 1) and their
-    // positions and up-scales (held by lanes 4 n, n the MMA column).
+    // positions and scale exponents (held by lanes 4 n, n the MMA column).
     int cpos[NT][EPL];
-    float cup[NT][EPL];
+    int cexp[NT][EPL];
     int maxpos = -1;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int e = 0; e < EPL; ++e) {
         cpos[nt][e] = __shfl_sync(0xffffffffu, pos_b[nt], 4 * (2 * c + e));
-        cup[nt][e] = __shfl_sync(0xffffffffu, up_b[nt], 4 * (2 * c + e));
+        cexp[nt][e] = __shfl_sync(0xffffffffu, e_b[nt], 4 * (2 * c + e));
       }
       maxpos = max(maxpos, pos_b[nt]);
     }
@@ -257,7 +263,7 @@ msa_index_scores(const void* q, const u8* kd, const u8* ks, const long long* pos
             float v = bm[nt][e];
             for (int o = 4; o < 32; o <<= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
             const int n = col0 + CPT * nt + EPL * c + e;
-            if (g == 0 && n < ncols) out[((long)t_lo * G + n) * MB + b] = v * cup[nt][e];
+            if (g == 0 && n < ncols) out[((long)t_lo * G + n) * MB + b] = scale_pow2(v, cexp[nt][e]);
             bm[nt][e] = __uint_as_float(0xFF800000u);
           }
         }
