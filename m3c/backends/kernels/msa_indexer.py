@@ -180,7 +180,11 @@ PREFILL_M = 128
 TOPK_CH = (1024, 8192)
 """Top-k chunk widths, bucketed over block-table widths (8,192 blocks = 1M tokens at block 128)."""
 TOPK_SLICES = 8
-"""Most slices a decode row's top-k is split into (:func:`topk_plan`)."""
+"""Most slices a decode row's top-k is split into (:func:`topk_plan`; a power of two)."""
+TOPK_WARPS = 0
+"""Warps of a top-k program (0: by its chunk width, 4..16). A tuning knob (with TOPK_CH / TOPK_SLICES: e.g. one warp
+over 128-block slices makes every reduction a warp shuffle instead of a shared-memory round trip), read at every
+call."""
 
 _TWO_126 = tl.constexpr(8.507059173023462e37)  # 2^126: e2m1_tiny × 2^126 = the E2M1 value
 # E2M1 nibbles -> E4M3 bytes worth value × 2^-6, four packed bytes per instance (low / high nibbles).
@@ -742,13 +746,18 @@ def _build_scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int,
                       divisible_16=("kd_ptr", "ks_ptr", "out_ptr"))
 
 
-@functools.cache  # launches ask for the same few specs every step: build (and key) each once
 def _topk_spec(g: int, block_size: int, top_k: int, ch: int) -> KernelSpec:
+    """The top-k kernel's spec (reads the TOPK_SLICES / TOPK_WARPS knobs at every call)."""
+    return _build_topk_spec(g, block_size, top_k, ch, TOPK_SLICES, TOPK_WARPS)
+
+
+@functools.cache  # launches ask for the same few specs every step: build (and key) each once
+def _build_topk_spec(g: int, block_size: int, top_k: int, ch: int, slices: int, warps: int) -> KernelSpec:
     ko = max(2, triton.next_power_of_2(top_k))
-    consts = dict(G=g, BS=block_size, K=top_k, KO=ko, CH=ch, CAUSAL=True, NSMAX=TOPK_SLICES)
+    consts = dict(G=g, BS=block_size, K=top_k, KO=ko, CH=ch, CAUSAL=True, NSMAX=slices)
     types = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "cand_ptr": "*i64", "cnt_ptr": "*i32",
              "MB": "i32"}
-    return KernelSpec("msa_topk_blocks", topk_blocks_kernel, types, consts, max(4, min(16, ch // 512)), 1,
+    return KernelSpec("msa_topk_blocks", topk_blocks_kernel, types, consts, warps or max(4, min(16, ch // 512)), 1,
                       divisible_16=("scores_ptr", "out_ptr"))
 
 
@@ -771,7 +780,7 @@ def _topk_workspace(device: torch.device, rows: int, ko: int, split: bool) -> tu
     (:func:`~m3c.backends.kernels.host.persistent`); unsplit launches get a tiny unused pair. Split launches
     have fewer rows than SMs, so these stay small."""
     n = rows if split else 1
-    return persistent(("msa_topk", str(device), n, ko),
+    return persistent(("msa_topk", str(device), n, ko, TOPK_SLICES),
                       lambda: (torch.empty(n * TOPK_SLICES * ko, dtype=torch.int64, device=device),
                                torch.zeros(n, dtype=torch.int32, device=device)))
 

@@ -364,6 +364,20 @@ def test_ties_go_to_the_smaller_block(rng: torch.Generator) -> None:
     assert sel[0, 0].tolist() == [0, 1, 2, 9]
 
 
+def test_topk_tuning_knobs(rng: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The top-k knobs (slice width, slices per row, warps) give another plan and spec, still exact: one warp over
+    16-block slices, up to 16 slices a row merged by the last to finish, against the reference."""
+    mi = _kernels()
+    monkeypatch.setattr(mi, "TOPK_CH", (16, 8192))
+    monkeypatch.setattr(mi, "TOPK_SLICES", 16)
+    monkeypatch.setattr(mi, "TOPK_WARPS", 1)
+    assert mi.topk_plan(3, 200, 132) == (16, 13)
+    spec = mi._topk_spec(1, 8, 4, 16)
+    assert spec.num_warps == 1 and spec.constexprs["NSMAX"] == 16
+    b = _batch([1500, 900, 60], [1, 1, 1], 8, 64, 1, rng, exact=True)
+    _check(b, 8, 4, exact=True)
+
+
 @pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma"])
 def test_nan_scale_gives_nan_score_never_selected(deq: str, rng: torch.Generator) -> None:
     """A visible key with a NaN scale makes its block score NaN (as torch.amax); selection treats it as -inf."""
