@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points + CUDA kernels, MSA grid, traces (~330 s)
-#   bash benchmarks/device_check.sh sweep        # decode indexer warps (fma / int8) + MoE decode tiles (~300 s)
+#   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -20,10 +20,11 @@ tests() {
      > "$OUT/t_attn_runtime.log" 2>&1; echo "rc=$?" >> "$OUT/t_attn_runtime.log") &
   ($p tests/backends/kernels/test_moe_prefill.py > "$OUT/t_moe_prefill.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_prefill.log") &
   ($p tests/backends/kernels/test_moe_routing.py tests/backends/kernels/test_qkv_fused.py \
-     tests/backends/kernels/test_msa_indexer.py > "$OUT/t_route_qkv_indexer.log" 2>&1
+     tests/backends/kernels/test_msa_indexer.py tests/backends/kernels/test_msa_indexer_cuda.py \
+     > "$OUT/t_route_qkv_indexer.log" 2>&1
    echo "rc=$?" >> "$OUT/t_route_qkv_indexer.log") &
   ($p tests/backends/kernels/test_moe_decode.py tests/backends/kernels/test_moe_cuda.py tests/fused/test_moe.py \
-     tests/test_cli_compile.py \
+     tests/backends/kernels/test_moe_cuda_route.py tests/test_cli_compile.py \
      > "$OUT/t_moe_cli.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_cli.log") &
   wait
   mark tests
@@ -33,7 +34,7 @@ tests() {
 bench() {
   timeout 170 python benchmarks/bench_e2e.py --preset m3.1-small --prompt-tokens 512 --decode-steps 32 \
     --no-torch-compile > "$OUT/e2e.txt" 2>&1; mark e2e
-  timeout 100 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>&1; mark moe
+  timeout 130 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>  timeout 100 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>&1; mark moe1; mark moe
   timeout 80 python benchmarks/bench_moe_mma.py --tokens 1,4,8,16 --decode 0 > "$OUT/moe_mma.txt" 2>&1
   mark moe_mma
   timeout 150 python benchmarks/bench_msa.py --quick --no-reference > "$OUT/msa.txt" 2>&1; mark msa
@@ -43,17 +44,13 @@ bench() {
   grep -E '^ +[0-9]' "$OUT/trace_attn1m.txt" | head -6; grep -E '^ +[0-9]' "$OUT/trace_moe1.txt" | head -8
 }
 
-sweep() {  # the decode indexer's warps per program (fma / int8), the MoE decode tilings (GEMV / swap) with kernel times
-  local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 131072 1048576 --batches 1 8"
-  for cfg in "64 4 3" "64 2 3"; do
+sweep() {  # the MSA top-k's launch shape (slice width, slices, warps) and the CUDA indexer's CTAs per SM, 512K / 1M x 8
+  local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
+  for cfg in "1024 8 0 6" "256 32 1 6" "128 64 1 6" "256 32 2 6" "1024 8 0 9"; do
     set -- $cfg
-    timeout 70 $b --deq fma int8 --fma-keys $1 --fma-warps $2 --fma-stages $3 > "$OUT/idx_$1_$2_$3.txt" 2>&1
-  done; mark indexer
-  timeout 150 python benchmarks/bench_moe_gemv_tiles.py --tokens 1 4 16 --kernels > "$OUT/moe_gemv.txt" 2>&1; mark gemv
-  for cfg in "64 4 3" "64 2 3"; do
-    set -- $cfg; echo "keys $1, warps $2, stages $3:"; grep -E '^ decode' "$OUT/idx_$1_$2_$3.txt"
-  done
-  grep -E '^ +[0-9]+ (gemv|swap|mma)' "$OUT/moe_gemv.txt"
+    timeout 40 $b --topk-ch $1 --topk-slices $2 --topk-warps $3 --cuda-ctas $4 > "$OUT/idx_topk_$1_$2_$3_$4.txt" 2>&1
+  done; mark sweep
+  for f in "$OUT"/idx_topk_*.txt; do echo "$(basename "$f"):"; grep -E '^ decode' "$f"; done
 }
 
 for step in "$@"; do
