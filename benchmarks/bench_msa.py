@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from _timing import bench, bench_graph, record_point, write_results
 
+from m3c.backends.kernels import msa_attention
 from m3c.backends.kernels.msa_attention import msa_sparse_attention
 from m3c.backends.kernels.msa_indexer import msa_indexer
 from m3c.backends.triton_aot import jit_run
@@ -158,7 +159,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 1 and 8, 1 row, plus the prefill chunks")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch MSA baselines")
+    ap.add_argument("--attn-cuda", action="store_true", help="decode attention through the CUDA C++ kernel (ATTN_CUDA)")
     args = ap.parse_args()
+    msa_attention.ATTN_CUDA = args.attn_cuda
     contexts = (32768, 131072, 524288, 1048576)
     points = [(c, b, r) for c in contexts for b in ((1, 8) if args.quick else (1, 8, 32))
               for r in ((1,) if args.quick else (1, 4)) if b * c <= 32 * 1048576]

@@ -8,7 +8,8 @@ default tiling's output. The byte floor of a row (its 16 blocks' K and V, 288 Ki
 kernel is latency-bound, so the interesting column is how far kernel_us is above a few DRAM round trips.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_msa_attention_decode.py [--contexts 32768 1048576]
-[--batches 1 8]; writes $OUT/msa_attention_decode.json (or benchmarks/results/) and prints a table.
+[--batches 1 8] [--cuda] (``--cuda``: also the CUDA C++ kernel of msa_attention_cuda at each split, its output
+compared with the first Triton tiling's); writes $OUT/msa_attention_decode.json (or benchmarks/results/) and prints a table.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 from _timing import bench_graph, kernel_times, record_point, write_results
 from bench_msa import BS, TOPK, D, make_batch
 
+from m3c.backends.kernels import msa_attention_cuda
 from m3c.backends.kernels.msa_attention import msa_sparse_attention_decode, split_buckets
+from m3c.backends.triton_aot import jit_run
 
 
 def random_selection(ctx: int, batch: int, gen: torch.Generator) -> torch.Tensor:
@@ -54,8 +57,25 @@ def run(ctx: int, batch: int, args: argparse.Namespace) -> list[dict]:
             ref = out.float().clone()
         diff = float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
         times = kernel_times(fn)
-        row = {"context": ctx, "batch": batch, "split": split, "stages": stages, "warps": warps, "block_n": bn,
+        row = {"context": ctx, "batch": batch, "kernel": "triton", "split": split, "stages": stages, "warps": warps,
+               "block_n": bn,
                "graph_us": bench_graph(fn) * 1e3, "kernel_us": sum(times.values()),
+               "max_rel_diff_vs_first": diff}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    for split in args.splits if args.cuda else ():  # the CUDA C++ kernel (msa_attention_cuda) at each split
+        out = torch.full_like(b["q"], float("nan"))
+
+        def cu(split: int = split, out: torch.Tensor = out) -> None:
+            msa_attention_cuda.launch(jit_run, b["q"], b["kd"], b["ks"], b["vd"], b["vs"], sel, b["pos"], b["qsl"],
+                                      b["seq"], b["table"], out, BS, D**-0.5, split)
+
+        cu()
+        torch.cuda.synchronize()
+        diff = float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
+        times = kernel_times(cu)
+        row = {"context": ctx, "batch": batch, "kernel": "cuda", "split": split, "stages": 0, "warps": 1,
+               "block_n": 64, "graph_us": bench_graph(cu) * 1e3, "kernel_us": sum(times.values()),
                "max_rel_diff_vs_first": diff}
         print(json.dumps(row), flush=True)
         rows.append(row)
@@ -70,19 +90,20 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--cuda", action="store_true", help="also the CUDA C++ kernel (msa_attention_cuda) at each split")
     args = ap.parse_args()
     rows: list[dict] = []
     for ctx in args.contexts:
         for batch in args.batches:
             record_point(rows, {"context": ctx, "batch": batch}, lambda c=ctx, b=batch: run(c, b, args))
     write_results("msa_attention_decode", rows)
-    print(f"\n{'ctx':>8} {'B':>2} {'split':>5} {'stages':>6} {'warps':>5} {'bn':>4} {'graph us':>9} {'kernel us':>9} "
+    print(f"\n{'ctx':>8} {'B':>2} {'kernel':>6} {'split':>5} {'stages':>6} {'warps':>5} {'bn':>4} {'graph us':>9} {'kernel us':>9} "
           f"{'diff':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['context']:>8} {r['batch']:>2} {r['error']}")
             continue
-        print(f"{r['context']:>8} {r['batch']:>2} {r['split']:>5} {r['stages']:>6} {r['warps']:>5} {r['block_n']:>4} "
+        print(f"{r['context']:>8} {r['batch']:>2} {r['kernel']:>6} {r['split']:>5} {r['stages']:>6} {r['warps']:>5} {r['block_n']:>4} "
               f"{r['graph_us']:>9.1f} "
               f"{r['kernel_us']:>9.1f} {r['max_rel_diff_vs_first']:>8.1e}")
 

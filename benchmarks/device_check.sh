@@ -5,6 +5,7 @@
 #   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points + CUDA kernels, MSA grid, traces (~330 s)
 #   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
+#   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with it
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -16,7 +17,8 @@ mark() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
 
 tests() {
   local p="python -m pytest -m gpu -q -p no:cacheprovider"
-  ($p tests/backends/kernels/test_msa_attention.py tests/fused/test_sparse_attention.py tests/runtime tests/frontend \
+  ($p tests/backends/kernels/test_msa_attention.py tests/backends/kernels/test_msa_attention_cuda.py \
+     tests/fused/test_sparse_attention.py tests/runtime tests/frontend \
      > "$OUT/t_attn_runtime.log" 2>&1; echo "rc=$?" >> "$OUT/t_attn_runtime.log") &
   ($p tests/backends/kernels/test_moe_prefill.py > "$OUT/t_moe_prefill.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_prefill.log") &
   ($p tests/backends/kernels/test_moe_routing.py tests/backends/kernels/test_qkv_fused.py \
@@ -44,6 +46,14 @@ bench() {
   grep -E '^ +[0-9]' "$OUT/trace_attn1m.txt" | head -6; grep -E '^ +[0-9]' "$OUT/trace_moe1.txt" | head -8
 }
 
+attn() {  # the CUDA C++ attention decode (off by default, ATTN_CUDA) against the Triton one, then the MSA grid with it
+  timeout 150 python benchmarks/bench_msa_attention_decode.py --contexts 131072 1048576 --batches 1 8 --stages 3 \
+    --warps 8 --block-n 64 --cuda > "$OUT/attn_cuda.txt" 2>&1; mark attn
+  timeout 150 python benchmarks/bench_msa.py --quick --no-reference --attn-cuda > "$OUT/msa_attn_cuda.txt" 2>&1
+  mark msa_attn_cuda
+  grep -E '^ +[0-9]' "$OUT/attn_cuda.txt" | head -40; tail -14 "$OUT/msa_attn_cuda.txt"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps) and the CUDA indexer's CTAs per SM, 512K / 1M x 8
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6" "256 32 1 6" "128 64 1 6" "256 32 2 6" "1024 8 0 9"; do
@@ -55,7 +65,7 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps) and the C
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench or sweep" >&2; exit 2 ;;
+    tests|bench|sweep|attn) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep or attn" >&2; exit 2 ;;
   esac
 done

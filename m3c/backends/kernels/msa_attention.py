@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from m3c.backends.kernels import msa_attention_cuda
 from m3c.backends.kernels.batch_args import paged_batch, require_aligned
 from m3c.backends.kernels.fp_codes import e2m1_tiny, e4m3_big, to_stored
 from m3c.backends.kernels.host import interpreting, num_sms, persistent
@@ -325,6 +326,11 @@ def msa_prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 Q_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ATTN_CUDA = False
+"""Decode through the CUDA C++ kernel (:mod:`msa_attention_cuda`) where it runs (bf16 q, D = 128, KV blocks of
+a multiple of 64 tokens, <= 16 heads a KV group): off until its GPU tests and benchmark have run (written without a
+GPU)."""
+
 MAX_SPLIT = 16
 
 
@@ -434,8 +440,12 @@ def attention_specs(num_heads: int, num_kv_heads: int, d: int, block_size: int, 
     _check_layout(num_heads, num_kv_heads, d, block_size, top_k)
     if q_dtype not in Q_DTYPES:
         raise ShapeError(f"q_dtype={q_dtype!r}: expected one of {sorted(Q_DTYPES)}")
+    cuda: list = []
+    if ATTN_CUDA and msa_attention_cuda.supported(num_heads, num_kv_heads, d, block_size, top_k, q_dtype) is None:
+        cuda = [msa_attention_cuda.decode_spec(num_heads, num_kv_heads, block_size, top_k, s)
+                for s in split_buckets(top_k)]
     return [*(decode_spec(num_heads, num_kv_heads, d, block_size, top_k, q_dtype, s) for s in split_buckets(top_k)),
-            prefill_spec(num_heads, num_kv_heads, d, block_size, top_k, q_dtype)]
+            *cuda, prefill_spec(num_heads, num_kv_heads, d, block_size, top_k, q_dtype)]
 
 
 def _check_layout(h: int, kvh: int, d: int, bs: int, top_k: int) -> None:
@@ -579,6 +589,12 @@ def _decode(runner: Runner, q: torch.Tensor, k_data: torch.Tensor, k_scale: torc
     t, h, d = q.shape
     kvh, top_k = k_data.shape[2], sel.shape[-1]
     split = max(1, min(split or pick_split(t * kvh, top_k, q.device), top_k))
+    if ATTN_CUDA and not any(tiles.values()) and msa_attention_cuda.call_supported(q, kvh, block_size, top_k) is None:
+        if split not in split_buckets(top_k):  # the listed (AOT-compiled) splits only
+            split = max(s for s in split_buckets(top_k) if s <= split)
+        msa_attention_cuda.launch(runner, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out,
+                                  block_size, scale, split)
+        return
     spec = decode_spec(h, kvh, d, block_size, top_k, _q_name(q.dtype), split, gpu=not interpreting(), **tiles)
     _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, scale)
 

@@ -1,0 +1,308 @@
+// MSA sparse-attention decode for sm_89+: one warp per (query row, KV group, split), the group's HG <= 16 query
+// heads as the MMA's M (one m16 tile), NVFP4 K and V decoded in registers straight into mma.sync m16n8k16 f16
+// fragments, online softmax in registers, the splits merged exactly by the last to arrive. Host side, layouts and
+// numerics: m3c/backends/kernels/msa_attention_cuda.py. No system headers (only ptx_common.cuh).
+// Compile-time settings: H (query heads), KVH (KV heads), BS (KV block size, a multiple of 64), TOPK, SPLIT.
+// D = 128 (64 code bytes + 8 E4M3 scale bytes a key and head).
+#ifndef H
+#define H 16
+#endif
+#ifndef KVH
+#define KVH 1
+#endif
+#ifndef BS
+#define BS 128
+#endif
+#ifndef TOPK
+#define TOPK 16
+#endif
+#ifndef SPLIT
+#define SPLIT 16
+#endif
+#define D 128
+#define HG (H / KVH)
+#define PER ((TOPK + SPLIT - 1) / SPLIT)
+static_assert(BS % 64 == 0, "BS must be a multiple of 64 (64-key steps)");
+static_assert(HG >= 1 && HG <= 16 && H % KVH == 0, "1..16 query heads a KV group");
+static_assert(TOPK <= 32, "a selection row in one warp");
+
+#include "ptx_common.cuh"
+
+__device__ __forceinline__ uint2 ld_stream2(const u8* p) {
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: the softmax's exponentials)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float ld_l2(const float* p) {
+  float r;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }  // |e| <= 126
+
+// Eight natural E2M1 nibbles (element i = nibble i) -> f16x2 pairs p[i] = (element 2i, element 2i + 1), as the
+// indexer kernel does it (msa_indexer_mma.cu: byte lookups for the magnitudes, signs gathered to each byte's bit 7).
+__device__ __forceinline__ void decode8(u32 w, u32* p) {
+  const u32 m = w & 0x77777777u;
+  u32 oa = prmt(0x3E3C3800u, 0x46444240u, m);
+  u32 ob = prmt(0x3E3C3800u, 0x46444240u, m >> 16);
+  const u32 w4 = w << 4;
+  oa |= prmt(w4, w, 0x5140u) & 0x80808080u;
+  ob |= prmt(w4, w, 0x7362u) & 0x80808080u;
+  p[0] = prmt(oa, 0u, 0x1404u);
+  p[1] = prmt(oa, 0u, 0x3424u);
+  p[2] = prmt(ob, 0u, 0x1404u);
+  p[3] = prmt(ob, 0u, 0x3424u);
+}
+
+// Two keys' 8-nibble words a (key A) and b (key B), bytes lo and lo + 1 of each (sel 0x5140: bytes 0, 1; 0x7362:
+// bytes 2, 3) -> one word whose nibbles alternate A, B: A0 B0 A1 B1 A2 B2 A3 B3 (element order within the bytes).
+__device__ __forceinline__ u32 interleave(u32 a, u32 b, u32 sel) {
+  const u32 x = prmt(a, b, sel);  // bytes A0A1, B0B1, A2A3, B2B3 (nibble pairs)
+  const u32 lo4 = x & 0x0F0F0F0Fu, hi4 = (x >> 4) & 0x0F0F0F0Fu;
+  return prmt(lo4, hi4, 0x6240u) | (prmt(lo4, hi4, 0x7351u) << 4);
+}
+
+// V's B fragments for one k16 step: keys A, B (MMA K rows 2c, 2c + 1) or keys 2c + 8, 2c + 9; the lane's 16 dims
+// 16 g .. 16 g + 15 (8 code bytes of each key: va, vb) -> out[jd] = (A's dim 16 g + jd, B's) times their scales.
+__device__ __forceinline__ void v_pairs(uint2 va, uint2 vb, u32 sab, u32 (&out)[16]) {
+  const u32 words[4] = {interleave(va.x, vb.x, 0x5140u), interleave(va.x, vb.x, 0x7362u),
+                        interleave(va.y, vb.y, 0x5140u), interleave(va.y, vb.y, 0x7362u)};
+  const u32 sp = e4m3x2_lo(sab);  // (scale A, scale B)
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    u32 p[4];
+    decode8(words[w], p);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[4 * w + i] = hmul2(p[i], sp);
+  }
+}
+
+// Attention of one query row t over its KV group kg's selected blocks (entries sp, sp + SPLIT, ...): out[t, kg HG +
+// h, :] for h < HG (SPLIT == 1), else this split's (unnormalized O, m, l) into ws / ml and, in the last split to
+// arrive, the exact merge. Scores in the log2 domain: s = q . k * 2^e(h) * scale * log2(e).
+extern "C" __global__ void __launch_bounds__(32)
+msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8* vs, const long long* sel,
+                const long long* pos, const int* qsl, const int* seq, const int* bt, u16* out, float* ws, float* ml,
+                unsigned int* cnt, int n_req, int bt_stride, float scale, void* scratch0, void* scratch1) {
+  const int lane = threadIdx.x, g = lane >> 2, c = lane & 3;
+  const int sp = blockIdx.x % SPLIT, tile = blockIdx.x / SPLIT, t = tile / KVH, kg = tile % KVH;
+  // The row's request: how many requests end at or before t.
+  int r = 0;
+  for (int r0 = 0; r0 < n_req; r0 += 32) {
+    const bool ends = r0 + lane < n_req && qsl[r0 + lane + 1] <= t;
+    r += __popc(__ballot_sync(0xffffffffu, ends));
+  }
+  const long long p_t = pos[t];
+  const int s_len = seq[r];
+  const long long last = min(p_t, (long long)s_len - 1);  // last visible key
+  const int n_blocks = (s_len + BS - 1) / BS;
+  // The selection row: lane i holds entry i; duplicates count once (only the first is kept).
+  long long sel_v = lane < TOPK ? sel[(long)tile * TOPK + lane] : -2 - lane;
+  const u32 same = __match_any_sync(0xffffffffu, sel_v);
+  const bool keep = lane < TOPK && sel_v >= 0 && sel_v < n_blocks && sel_v * BS <= last &&
+                    (same & ((1u << lane) - 1u)) == 0u;
+  const u32 kept = __ballot_sync(0xffffffffu, keep);
+  // Q: heads g, g + 8 of the group (rows past HG zero), dims 32 c .. 32 c + 31 as f16 x 2^-e(head).
+  u32 qa[8][4];
+  float fr[2];  // per row (head g, g + 8): 2^e * scale * log2(e)
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = g + 8 * hh;
+    const bool ok = h < HG;
+    const uint4* src = (const uint4*)(q + ((long)t * H + kg * HG + (ok ? h : 0)) * D + 32 * c);
+    float x[32];
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 v = ok ? src[i] : make_uint4(0u, 0u, 0u, 0u);
+      const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        x[8 * i + 2 * k] = __uint_as_float(w[k] << 16);
+        x[8 * i + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) m = fmaxf(m, fabsf(x[i]));  // bf16 q: finite inputs (the model's)
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const u32 bits = __float_as_uint(m);
+    int e = m > 0.f ? ((bits >> 23) & 0xFF ? (int)((bits >> 23) & 0xFF) - 127 : -149 + 31 - __clz(bits)) - 14 : 0;
+    e = max(-126, min(126, e));
+    const float down = pow2f(-e);
+    fr[hh] = pow2f(e) * scale * 1.4426950408889634f;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      qa[s][hh] = f32x2_to_f16x2(x[4 * s] * down, x[4 * s + 1] * down);          // a0 / a1: dims 32c + 4s, + 1
+      qa[s][2 + hh] = f32x2_to_f16x2(x[4 * s + 2] * down, x[4 * s + 3] * down);  // a2 / a3: + 2, + 3
+    }
+  }
+  float o[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float mrow[2] = {__uint_as_float(0xFF800000u), __uint_as_float(0xFF800000u)}, lrow[2] = {0.f, 0.f};
+  const int* bt_row = bt + (long)r * bt_stride;
+  for (int i = 0; i < PER; ++i) {
+    const int idx = sp + SPLIT * i;
+    if (idx >= TOPK || !((kept >> idx) & 1u)) continue;
+    const long long b = __shfl_sync(0xffffffffu, sel_v, idx);
+    const long phys = bt_row[b];
+    for (int st = 0; st < BS / 64; ++st) {
+      const long long first = b * BS + st * 64;
+      if (first > last) break;
+      const long row0 = (phys * BS + st * 64) * KVH + kg;  // cache row of the step's key 0
+      // S = Q . K^T over the step's 64 keys: 8 n8 tiles (keys 8 j + g for this lane's B column).
+      float s[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const long krow = row0 + (long)(8 * j + g) * KVH;
+        const uint4 kc = ld_stream4(kd + krow * (D / 2) + 16 * c);
+        const u32 ksc = *(const u16*)(ks + krow * (D / 16) + 2 * c);
+        const u32 s0 = scale_pair(ksc, 0), s1 = scale_pair(ksc, 1);
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        const u32 kw[4] = {kc.x, kc.y, kc.z, kc.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          u32 p[4];
+          decode8(kw[w], p);
+          const u32 sc = w < 2 ? s0 : s1;
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            mma(s[j], qa[2 * w + e][0], qa[2 * w + e][1], qa[2 * w + e][2], qa[2 * w + e][3], hmul2(p[2 * e], sc),
+                hmul2(p[2 * e + 1], sc));
+        }
+      }
+      // Mask the keys past `last`, scale, online softmax per row (head g: s[.][0..1], head g + 8: s[.][2..3]).
+      float mx[2] = {__uint_as_float(0xFF800000u), __uint_as_float(0xFF800000u)};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const long long kp = first + 8 * j + 2 * c + (k & 1);
+          s[j][k] = kp <= last ? s[j][k] * fr[k >> 1] : __uint_as_float(0xFF800000u);
+          mx[k >> 1] = fmaxf(mx[k >> 1], s[j][k]);
+        }
+      }
+      float alpha[2], mnew[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+        mnew[hh] = fmaxf(mrow[hh], mx[hh]);  // > -inf: the step has a visible key
+        alpha[hh] = ex2(mrow[hh] - mnew[hh]);  // 0 on the first step (-inf)
+        mrow[hh] = mnew[hh];
+        lrow[hh] *= alpha[hh];
+      }
+#pragma unroll
+      for (int jd = 0; jd < 16; ++jd) {
+        o[jd][0] *= alpha[0], o[jd][1] *= alpha[0], o[jd][2] *= alpha[1], o[jd][3] *= alpha[1];
+      }
+      u32 pa[4][4];  // P as the A fragments of 4 k16 steps (keys 16 kk .. 16 kk + 15)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float p[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          p[k] = ex2(s[j][k] - mnew[k >> 1]);  // 0 for masked keys
+          lrow[k >> 1] += p[k];
+        }
+        pa[j >> 1][(j & 1) * 2] = f32x2_to_f16x2(p[0], p[1]);      // row g: a0 (even j) / a2 (odd j)
+        pa[j >> 1][(j & 1) * 2 + 1] = f32x2_to_f16x2(p[2], p[3]);  // row g + 8: a1 / a3
+      }
+      // O += P . V: per k16 step, keys 2c, 2c + 1 (b0) and 2c + 8, 2c + 9 (b1); 16 n8 tiles of output dims,
+      // tile jd's column g = dim 16 g + jd. Keys past `last` read as zeros (P is 0 there, the cache may hold NaN).
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        uint2 v[4];
+        u32 vsc[4];
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) {
+          const int key = 16 * kk + 2 * c + (q4 & 1) + 8 * (q4 >> 1);
+          const long vrow = row0 + (long)key * KVH;
+          const bool vis = first + key <= last;
+          v[q4] = vis ? ld_stream2(vd + vrow * (D / 2) + 8 * g) : make_uint2(0u, 0u);
+          vsc[q4] = vis ? (u32)vs[vrow * (D / 16) + g] : 0u;
+        }
+        u32 b0[16], b1[16];
+        v_pairs(v[0], v[1], vsc[0] | (vsc[1] << 8), b0);
+        v_pairs(v[2], v[3], vsc[2] | (vsc[3] << 8), b1);
+#pragma unroll
+        for (int jd = 0; jd < 16; ++jd) mma(o[jd], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0[jd], b1[jd]);
+      }
+    }
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    lrow[hh] += __shfl_xor_sync(0xffffffffu, lrow[hh], 1);
+    lrow[hh] += __shfl_xor_sync(0xffffffffu, lrow[hh], 2);
+  }
+  // Lane (g, c) holds O rows g (o[.][0..1]) and g + 8 (o[.][2..3]), dims 16 (2c + e) + jd.
+  if (SPLIT == 1) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = g + 8 * hh;
+      if (h >= HG) continue;
+      const float inv = lrow[hh] > 0.f ? 1.f / lrow[hh] : 0.f;
+      u16* dst = out + ((long)t * H + kg * HG + h) * D;
+#pragma unroll
+      for (int jd = 0; jd < 16; ++jd)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          u16 bits;
+          asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(o[jd][2 * hh + e] * inv));
+          dst[16 * (2 * c + e) + jd] = bits;
+        }
+    }
+    return;
+  }
+  const long part = (long)tile * SPLIT + sp;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float* dst = ws + (part * 16 + g + 8 * hh) * D;
+#pragma unroll
+    for (int jd = 0; jd < 16; ++jd)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) dst[16 * (2 * c + e) + jd] = o[jd][2 * hh + e];
+    if (c == 0) {
+      ml[part * 32 + g + 8 * hh] = mrow[hh];
+      ml[part * 32 + 16 + g + 8 * hh] = lrow[hh];
+    }
+  }
+  // The last split of this (row, group) to arrive merges all of them in a fixed order.
+  __threadfence();
+  __syncwarp();
+  unsigned int old = 0;
+  if (lane == 0) old = atomicAdd(cnt + tile, 1u);
+  old = __shfl_sync(0xffffffffu, old, 0);
+  if (old != SPLIT - 1) return;
+  __threadfence();
+  if (lane == 0) cnt[tile] = 0u;
+  // Lane: dims 4 lane .. 4 lane + 3 of every head row.
+  for (int h = 0; h < HG; ++h) {
+    float mall = __uint_as_float(0xFF800000u);
+    for (int k = 0; k < SPLIT; ++k) mall = fmaxf(mall, ld_l2(ml + ((long)tile * SPLIT + k) * 32 + h));
+    const float mref = mall == __uint_as_float(0xFF800000u) ? 0.f : mall;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, l = 0.f;
+    for (int k = 0; k < SPLIT; ++k) {
+      const long pk = (long)tile * SPLIT + k;
+      const float w = ex2(ld_l2(ml + pk * 32 + h) - mref);
+      l += w * ld_l2(ml + pk * 32 + 16 + h);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[i] += w * ld_l2(ws + (pk * 16 + h) * D + 4 * lane + i);
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    u16* dst = out + ((long)t * H + kg * HG + h) * D + 4 * lane;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      u16 bits;
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc[i] * inv));
+      dst[i] = bits;
+    }
+  }
+}
