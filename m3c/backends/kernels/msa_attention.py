@@ -329,7 +329,9 @@ Q_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ATTN_CUDA = False
 """Decode through the CUDA C++ kernel (:mod:`msa_attention_cuda`) where it runs (bf16 q, D = 128, KV blocks of
 a multiple of 64 tokens, <= 16 heads a KV group): off until its GPU tests and benchmark have run (written without a
-GPU)."""
+GPU). :func:`attention_specs` lists its specs when it is on, so set it the same way for an offline compile and for
+the run of its artifact. :func:`msa_sparse_attention_decode` (the Triton kernel with tiling overrides) never takes
+it."""
 
 MAX_SPLIT = 16
 

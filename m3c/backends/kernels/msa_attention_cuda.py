@@ -18,7 +18,8 @@ HG are zeros, never stored). Per 64-key step of a selected block:
   k16 step; two keys' nibbles are interleaved by byte permutes so one decode yields (key A, key B) f16 pairs, times
   the (scale A, scale B) pair. No shared memory. Keys past the position read as zeros (the cache may hold NaN).
 Splits write (O, m, l) and the last to arrive merges them exactly in a fixed order (as the Triton kernel does).
-Registers: 194 (offline sm_90a, no spills). Numerics: P in f16 (the Triton kernel rounds P to bf16), ex2.approx.
+V for a whole 64-key step is loaded with K (one DRAM round trip a step). Registers: 220-237 (offline sm_90a, no
+spills). A row past ``query_start_loc[R]`` (a padded batch) outputs zeros. Numerics: P in f16 (the Triton kernel rounds P to bf16), ex2.approx.
 """
 
 from __future__ import annotations
@@ -70,11 +71,15 @@ def decode_spec(num_heads: int, num_kv_heads: int, block_size: int, top_k: int, 
 
 
 def _workspace(device: torch.device, tiles: int, split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Persistent split partials: O [tiles, split, 16, 128], (m, l) [tiles, split, 2, 16] float32, zeroed counters."""
-    return persistent(("msa_attention_mma", str(device), tiles, split),
-                      lambda: (torch.empty(max(tiles * split * 16 * HEAD_DIM, 4), dtype=torch.float32, device=device),
-                               torch.empty(max(tiles * split * 32, 4), dtype=torch.float32, device=device),
-                               torch.zeros(max(tiles, 4), dtype=torch.int32, device=device)))
+    """Persistent split partials: O [tiles, split, 16, 128], (m, l) [tiles, split, 2, 16] float32, zeroed counters;
+    split == 1 (the kernel writes the output directly) one tiny shared set, so large unsplit batches of varying T
+    do not each keep a buffer."""
+    parts = tiles * split if split > 1 else 0
+    key = (tiles, split) if split > 1 else ()
+    return persistent(("msa_attention_mma", str(device), *key),
+                      lambda: (torch.empty(max(parts * 16 * HEAD_DIM, 4), dtype=torch.float32, device=device),
+                               torch.empty(max(parts * 32, 4), dtype=torch.float32, device=device),
+                               torch.zeros(max(tiles if split > 1 else 0, 4), dtype=torch.int32, device=device)))
 
 
 def launch(runner: Runner, q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,

@@ -163,6 +163,14 @@ def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Gene
     assert grid[0] == 3 * 2 * dict(spec.defines)["SPLIT"]
 
 
+def test_workspace_only_for_splits() -> None:
+    """Unsplit launches (large batches) share one tiny workspace; split ones get [tiles, split, 16, 128] partials."""
+    ws, ml, cnt = mac._workspace(torch.device("cpu"), 4096, 1)
+    assert ws.numel() == ml.numel() == cnt.numel() == 4 and mac._workspace(torch.device("cpu"), 777, 1)[0] is ws
+    ws, ml, cnt = mac._workspace(torch.device("cpu"), 3, 4)
+    assert ws.numel() == 3 * 4 * 16 * 128 and ml.numel() == 3 * 4 * 32 and cnt.numel() == 4 and not cnt.any()
+
+
 # ---- GPU (H200) ----
 
 

@@ -98,9 +98,11 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
     const bool ends = r0 + lane < n_req && qsl[r0 + lane + 1] <= t;
     r += __popc(__ballot_sync(0xffffffffu, ends));
   }
+  const bool pad = r >= n_req;  // a row past query_start_loc[R] (a padded batch): no visible key, zeros out
+  r = pad ? n_req - 1 : r;
   const long long p_t = pos[t];
   const int s_len = seq[r];
-  const long long last = min(p_t, (long long)s_len - 1);  // last visible key
+  const long long last = pad ? -1 : min(p_t, (long long)s_len - 1);  // last visible key
   const int n_blocks = (s_len + BS - 1) / BS;
   // The selection row: lane i holds entry i; duplicates count once (only the first is kept).
   long long sel_v = lane < TOPK ? sel[(long)tile * TOPK + lane] : -2 - lane;
@@ -158,6 +160,21 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
       if (first > last) break;
       const long row0 = (phys * BS + st * 64) * KVH + kg;  // cache row of the step's key 0
       // S = Q . K^T over the step's 64 keys: 8 n8 tiles (keys 8 j + g for this lane's B column).
+      // V for the whole step first (its addresses do not depend on P): one DRAM round trip per step, not two.
+      // k16 step kk, keys 16 kk + 2c (+1) and + 8 (+9); keys past `last` read as zeros (the cache may hold NaN).
+      uint2 v[4][4];
+      u32 vsc[4][4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) {
+          const int key = 16 * kk + 2 * c + (q4 & 1) + 8 * (q4 >> 1);
+          const long vrow = row0 + (long)key * KVH;
+          const bool vis = first + key <= last;
+          v[kk][q4] = vis ? ld_stream2(vd + vrow * (D / 2) + 8 * g) : make_uint2(0u, 0u);
+          vsc[kk][q4] = vis ? (u32)vs[vrow * (D / 16) + g] : 0u;
+        }
+      }
       float s[8][4];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -216,22 +233,12 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
         pa[j >> 1][(j & 1) * 2 + 1] = f32x2_to_f16x2(p[2], p[3]);  // row g + 8: a1 / a3
       }
       // O += P . V: per k16 step, keys 2c, 2c + 1 (b0) and 2c + 8, 2c + 9 (b1); 16 n8 tiles of output dims,
-      // tile jd's column g = dim 16 g + jd. Keys past `last` read as zeros (P is 0 there, the cache may hold NaN).
+      // tile jd's column g = dim 16 g + jd (V loaded above).
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        uint2 v[4];
-        u32 vsc[4];
-#pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {
-          const int key = 16 * kk + 2 * c + (q4 & 1) + 8 * (q4 >> 1);
-          const long vrow = row0 + (long)key * KVH;
-          const bool vis = first + key <= last;
-          v[q4] = vis ? ld_stream2(vd + vrow * (D / 2) + 8 * g) : make_uint2(0u, 0u);
-          vsc[q4] = vis ? (u32)vs[vrow * (D / 16) + g] : 0u;
-        }
         u32 b0[16], b1[16];
-        v_pairs(v[0], v[1], vsc[0] | (vsc[1] << 8), b0);
-        v_pairs(v[2], v[3], vsc[2] | (vsc[3] << 8), b1);
+        v_pairs(v[kk][0], v[kk][1], vsc[kk][0] | (vsc[kk][1] << 8), b0);
+        v_pairs(v[kk][2], v[kk][3], vsc[kk][2] | (vsc[kk][3] << 8), b1);
 #pragma unroll
         for (int jd = 0; jd < 16; ++jd) mma(o[jd], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0[jd], b1[jd]);
       }
@@ -278,7 +285,11 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
   __threadfence();
   __syncwarp();
   unsigned int old = 0;
-  if (lane == 0) old = atomicAdd(cnt + tile, 1u);
+  if (lane == 0) {
+    old = atomicAdd(cnt + tile, 1u);
+    __threadfence();  // acquire: ordered after the atomic, before the warp's reads below
+  }
+  __syncwarp();
   old = __shfl_sync(0xffffffffu, old, 0);
   if (old != SPLIT - 1) return;
   __threadfence();
