@@ -45,20 +45,6 @@ __device__ __forceinline__ float ld_l2(const float* p) {
 }
 __device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }  // |e| <= 126
 
-// Eight natural E2M1 nibbles (element i = nibble i) -> f16x2 pairs p[i] = (element 2i, element 2i + 1), as the
-// indexer kernel does it (msa_indexer_mma.cu: byte lookups for the magnitudes, signs gathered to each byte's bit 7).
-__device__ __forceinline__ void decode8(u32 w, u32* p) {
-  const u32 m = w & 0x77777777u;
-  u32 oa = prmt(0x3E3C3800u, 0x46444240u, m);
-  u32 ob = prmt(0x3E3C3800u, 0x46444240u, m >> 16);
-  const u32 w4 = w << 4;
-  oa |= prmt(w4, w, 0x5140u) & 0x80808080u;
-  ob |= prmt(w4, w, 0x7362u) & 0x80808080u;
-  p[0] = prmt(oa, 0u, 0x1404u);
-  p[1] = prmt(oa, 0u, 0x3424u);
-  p[2] = prmt(ob, 0u, 0x1404u);
-  p[3] = prmt(ob, 0u, 0x3424u);
-}
 
 // Two keys' 8-nibble words a (key A) and b (key B), bytes lo and lo + 1 of each (sel 0x5140: bytes 0, 1; 0x7362:
 // bytes 2, 3) -> one word whose nibbles alternate A, B: A0 B0 A1 B1 A2 B2 A3 B3 (element order within the bytes).

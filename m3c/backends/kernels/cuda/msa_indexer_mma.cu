@@ -50,21 +50,6 @@ __device__ __forceinline__ float nan_max(float a, float b) {  // NaN if either i
   return r;
 }
 
-// Eight E2M1 codes in their natural packing (nibble i of w = element i) -> four f16x2 pairs p[i] = (element 2i,
-// element 2i + 1): magnitudes by one byte lookup each (f16 high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6), the sign bits
-// gathered to each byte's bit 7 (even elements' from w << 4, odd elements' from w), then spread to 16-bit halves.
-__device__ __forceinline__ void decode8(u32 w, u32* p) {
-  const u32 m = w & 0x77777777u;
-  u32 oa = prmt(0x3E3C3800u, 0x46444240u, m);
-  u32 ob = prmt(0x3E3C3800u, 0x46444240u, m >> 16);
-  const u32 w4 = w << 4;
-  oa |= prmt(w4, w, 0x5140u) & 0x80808080u;
-  ob |= prmt(w4, w, 0x7362u) & 0x80808080u;
-  p[0] = prmt(oa, 0u, 0x1404u);
-  p[1] = prmt(oa, 0u, 0x3424u);
-  p[2] = prmt(ob, 0u, 0x1404u);
-  p[3] = prmt(ob, 0u, 0x3424u);
-}
 
 struct Step {            // one step's keys for this lane: STEP_TILES tiles x rows (g, g + 8)
   uint4 code[STEP_TILES][2];  // bytes 16 c .. 16 c + 15 of the key's 64 code bytes (c = lane % 4)

@@ -1,5 +1,6 @@
 // Helpers shared by the CUDA C++ kernels of this directory (included by each .cu; no system headers): integer
-// types, streaming loads, byte permutes, f16 / E4M3 conversions and the mma.sync m16n8k16 f16 -> f32 MMA.
+// types, streaming loads, byte permutes, f16 / E4M3 conversions, the mma.sync m16n8k16 f16 -> f32 MMA and the
+// natural-order NVFP4 decode (decode8).
 #pragma once
 
 typedef unsigned int u32;
@@ -45,3 +46,19 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
 }
 // One E4M3 scale byte (byte `i` of `w`) as the f16x2 pair (s, s).
 __device__ __forceinline__ u32 scale_pair(u32 w, u32 i) { return e4m3x2_lo(prmt(w, 0u, i | (i << 4))); }
+
+// Eight E2M1 codes in their natural packing (nibble i of w = element i) -> four f16x2 pairs p[i] = (element 2i,
+// element 2i + 1): magnitudes by one byte lookup each (f16 high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6), the sign bits
+// gathered to each byte's bit 7 (even elements' from w << 4, odd elements' from w), then spread to 16-bit halves.
+__device__ __forceinline__ void decode8(u32 w, u32* p) {
+  const u32 m = w & 0x77777777u;
+  u32 oa = prmt(0x3E3C3800u, 0x46444240u, m);
+  u32 ob = prmt(0x3E3C3800u, 0x46444240u, m >> 16);
+  const u32 w4 = w << 4;
+  oa |= prmt(w4, w, 0x5140u) & 0x80808080u;
+  ob |= prmt(w4, w, 0x7362u) & 0x80808080u;
+  p[0] = prmt(oa, 0u, 0x1404u);
+  p[1] = prmt(oa, 0u, 0x3424u);
+  p[2] = prmt(ob, 0u, 0x1404u);
+  p[3] = prmt(ob, 0u, 0x3424u);
+}
