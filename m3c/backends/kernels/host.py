@@ -16,6 +16,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def cuda_kernel_device(t: torch.Tensor) -> str | None:
+    """None if the CUDA C++ kernels can run on ``t``'s device (CUDA, sm_89+ for ``cvt.f16x2.e4m3x2``, not the
+    Triton interpreter), else the reason."""
+    if not t.is_cuda or interpreting():
+        return "not on a CUDA device (or the Triton interpreter is on)"
+    if torch.cuda.get_device_capability(t.device) < (8, 9):
+        return "the GPU is older than sm_89 (no cvt.f16x2.e4m3x2)"
+    return None
+
+
 @functools.cache
 def num_sms(device: torch.device, cpu_default: int = 132) -> int:
     """Streaming multiprocessors of a CUDA device; `cpu_default` elsewhere (132 mimics an H200's grids in

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from m3c.backends.cuda_aot import CudaKernelSpec
-from m3c.backends.kernels.host import interpreting
+from m3c.backends.kernels.host import cuda_kernel_device
 from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
 from m3c.backends.kernels.moe_cuda import (
     call_support,
@@ -102,9 +102,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
 def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
     """Whether the CUDA C++ decode kernels take this call (a CUDA device, T <= 16, NVFP4 experts, MXFP8 / no shared
     expert, a layout they support)."""
-    if not x.is_cuda or interpreting() or x.shape[0] > MMA_MAX_TOKENS or not isinstance(w13, quant.NVFP4Tensor):
-        return False
-    if torch.cuda.get_device_capability(x.device) < (8, 9):  # cvt.f16x2.e4m3x2 and the tuning need sm_89+
+    if x.shape[0] > MMA_MAX_TOKENS or not isinstance(w13, quant.NVFP4Tensor) or cuda_kernel_device(x):
         return False
     return call_support(x, w13, shared_w13, top_k) is None
 

@@ -29,7 +29,7 @@ import functools
 import torch
 
 from m3c.backends.cuda_aot import CudaKernelSpec
-from m3c.backends.kernels.host import interpreting, persistent
+from m3c.backends.kernels.host import cuda_kernel_device, persistent
 from m3c.backends.triton_aot import Runner
 
 SOURCE = "msa_attention_mma.cu"
@@ -53,10 +53,9 @@ def supported(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_k:
 
 def call_supported(q: torch.Tensor, num_kv_heads: int, block_size: int, top_k: int) -> str | None:
     """:func:`supported` for one call, plus the device (CUDA sm_89+, not the Triton interpreter)."""
-    if not q.is_cuda or interpreting():
-        return "not on a CUDA device (or the Triton interpreter is on)"
-    if torch.cuda.get_device_capability(q.device) < (8, 9):
-        return "the GPU is older than sm_89 (no cvt.f16x2.e4m3x2)"
+    why = cuda_kernel_device(q)
+    if why:
+        return why
     q_dtype = "bf16" if q.dtype == torch.bfloat16 else str(q.dtype)
     return supported(q.shape[1], num_kv_heads, q.shape[2], block_size, top_k, q_dtype)
 

@@ -69,12 +69,11 @@ def supported(g: int, d: int, block_size: int, q_dtype: str) -> str | None:
 def call_supported(index_q: torch.Tensor, block_size: int) -> str | None:
     """:func:`supported` for one call's tensors, plus the device (CUDA, sm_89+ for ``cvt.f16x2.e4m3x2``, not the
     Triton interpreter)."""
-    from m3c.backends.kernels.host import interpreting
+    from m3c.backends.kernels.host import cuda_kernel_device
 
-    if not index_q.is_cuda or interpreting():
-        return "not on a CUDA device (or the Triton interpreter is on)"
-    if torch.cuda.get_device_capability(index_q.device) < (8, 9):
-        return "the GPU is older than sm_89 (no cvt.f16x2.e4m3x2)"
+    why = cuda_kernel_device(index_q)
+    if why:
+        return why
     q_dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(index_q.dtype, str(index_q.dtype))
     return supported(index_q.shape[1], index_q.shape[2], block_size, q_dtype)
 

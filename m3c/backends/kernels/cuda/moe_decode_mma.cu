@@ -22,11 +22,6 @@
 
 #include "ptx_common.cuh"
 
-__device__ __forceinline__ uint2 ld_stream2(const u8* p) {
-  uint2 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-  return r;
-}
 __device__ __forceinline__ float bf16_round(float v) {
   u16 b;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));

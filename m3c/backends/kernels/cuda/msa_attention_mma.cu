@@ -28,11 +28,6 @@ static_assert(TOPK <= 32, "a selection row in one warp");
 
 #include "ptx_common.cuh"
 
-__device__ __forceinline__ uint2 ld_stream2(const u8* p) {
-  uint2 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-  return r;
-}
 __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: the softmax's exponentials)
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
@@ -103,26 +98,14 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
   for (int hh = 0; hh < 2; ++hh) {
     const int h = g + 8 * hh;
     const bool ok = h < HG;
-    const uint4* src = (const uint4*)(q + ((long)t * H + kg * HG + (ok ? h : 0)) * D + 32 * c);
     float x[32];
     float m = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 v = ok ? src[i] : make_uint4(0u, 0u, 0u, 0u);
-      const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        x[8 * i + 2 * k] = __uint_as_float(w[k] << 16);
-        x[8 * i + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
-      }
-    }
+    load_bf16x32(q + ((long)t * H + kg * HG + (ok ? h : 0)) * D + 32 * c, ok, x);
 #pragma unroll
     for (int i = 0; i < 32; ++i) m = fmaxf(m, fabsf(x[i]));  // bf16 q: finite inputs (the model's)
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    const u32 bits = __float_as_uint(m);
-    int e = m > 0.f ? ((bits >> 23) & 0xFF ? (int)((bits >> 23) & 0xFF) - 127 : -149 + 31 - __clz(bits)) - 14 : 0;
-    e = max(-126, min(126, e));
+    const int e = max(-126, min(126, staging_exp(m)));
     const float down = pow2f(-e);
     fr[hh] = pow2f(e) * scale * 1.4426950408889634f;
 #pragma unroll

@@ -109,17 +109,7 @@ __device__ __forceinline__ float load_query(const void* q, long off, bool ok, fl
     x[4 * i + 2] = __uint_as_float(v.z), x[4 * i + 3] = __uint_as_float(v.w);
   }
 #else
-  const uint4* src = (const uint4*)((const u16*)q + off);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 v = ok ? src[i] : make_uint4(0u, 0u, 0u, 0u);
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      x[8 * i + 2 * k] = __uint_as_float(w[k] << 16);
-      x[8 * i + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
-    }
-  }
+  load_bf16x32((const u16*)q + off, ok, x);
 #endif
 #pragma unroll
   for (int i = 0; i < 32; ++i)
@@ -158,9 +148,8 @@ msa_index_scores(const void* q, const u8* kd, const u8* ks, const long long* pos
       float m = load_query(q, (long)t * stride_qt + (long)hd * stride_qg + 32 * c, ok, x);
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const u32 bits = __float_as_uint(m);
-      // m * 2^-e in [2^14, 2^15) (float32 subnormal m: e down to -163); 2^-e and 2^e as two normal factors each
-      int e = m > 0.f ? ((bits >> 23) & 0xFF ? (int)((bits >> 23) & 0xFF) - 127 : -149 + 31 - __clz(bits)) - 14 : 0;
+      // 2^-e and 2^e as two normal factors each (float32 subnormal m: e down to -163)
+      const int e = staging_exp(m);
       const int e1 = e / 2, e2 = e - e / 2;
       const float down1 = __uint_as_float((u32)(127 - e1) << 23), down2 = __uint_as_float((u32)(127 - e2) << 23);
       e_b[nt] = e;

@@ -62,3 +62,30 @@ __device__ __forceinline__ void decode8(u32 w, u32* p) {
   p[2] = prmt(ob, 0u, 0x1404u);
   p[3] = prmt(ob, 0u, 0x3424u);
 }
+
+__device__ __forceinline__ uint2 ld_stream2(const u8* p) {  // 8 bytes read once: no L1 allocation
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+// 32 consecutive bf16 values (16-byte aligned) as floats, zeros where !ok.
+__device__ __forceinline__ void load_bf16x32(const u16* src, bool ok, float (&x)[32]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 v = ok ? ((const uint4*)src)[i] : make_uint4(0u, 0u, 0u, 0u);
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      x[8 * i + 2 * k] = __uint_as_float(w[k] << 16);
+      x[8 * i + 2 * k + 1] = __uint_as_float(w[k] & 0xFFFF0000u);
+    }
+  }
+}
+
+// The exponent e with m * 2^-e in [2^14, 2^15) (f16 staging that never clips) for m > 0, float32 subnormals
+// included (e down to -163); 0 for m = 0.
+__device__ __forceinline__ int staging_exp(float m) {
+  const u32 bits = __float_as_uint(m);
+  return m > 0.f ? ((bits >> 23) & 0xFF ? (int)((bits >> 23) & 0xFF) - 127 : -149 + 31 - __clz(bits)) - 14 : 0;
+}
