@@ -36,7 +36,7 @@ tests() {
 bench() {
   timeout 170 python benchmarks/bench_e2e.py --preset m3.1-small --prompt-tokens 512 --decode-steps 32 \
     --no-torch-compile > "$OUT/e2e.txt" 2>&1; mark e2e
-  timeout 130 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>  timeout 100 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>&1; mark moe1; mark moe
+  timeout 130 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe.txt" 2>&1; mark moe
   timeout 80 python benchmarks/bench_moe_mma.py --tokens 1,4,8,16 --decode 0 > "$OUT/moe_mma.txt" 2>&1
   mark moe_mma
   timeout 150 python benchmarks/bench_msa.py --quick --no-reference > "$OUT/msa.txt" 2>&1; mark msa
