@@ -8,7 +8,8 @@ default tiling's output. The byte floor of a row (its 16 blocks' K and V, 288 Ki
 kernel is latency-bound, so the interesting column is how far kernel_us is above a few DRAM round trips.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_msa_attention_decode.py [--contexts 32768 1048576]
-[--batches 1 8] [--cuda] (``--cuda``: also the CUDA C++ kernel of msa_attention_cuda at each split, its output
+[--batches 1 8] [--cuda] (``--cuda``: also the CUDA C++ kernel of msa_attention_cuda at each split and
+``--cuda-warps`` CTA size, its output
 compared with the first Triton tiling's); writes $OUT/msa_attention_decode.json (or benchmarks/results/) and prints a table.
 """
 
@@ -63,18 +64,19 @@ def run(ctx: int, batch: int, args: argparse.Namespace) -> list[dict]:
                "max_rel_diff_vs_first": diff}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    for split in args.splits if args.cuda else ():  # the CUDA C++ kernel (msa_attention_cuda) at each split
+    cuda = [(s, w) for w in args.cuda_warps for s in msa_attention_cuda.splits(TOPK, BS, w)] if args.cuda else []
+    for split, cwarps in cuda:  # the CUDA C++ kernel (msa_attention_cuda) at each split and CTA size
         out = torch.full_like(b["q"], float("nan"))
 
-        def cu(split: int = split, out: torch.Tensor = out) -> None:
+        def cu(split: int = split, cwarps: int = cwarps, out: torch.Tensor = out) -> None:
             msa_attention_cuda.launch(jit_run, b["q"], b["kd"], b["ks"], b["vd"], b["vs"], sel, b["pos"], b["qsl"],
-                                      b["seq"], b["table"], out, BS, D**-0.5, split)
+                                      b["seq"], b["table"], out, BS, D**-0.5, split, cwarps)
 
         cu()
         torch.cuda.synchronize()
         diff = float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
         times = kernel_times(cu)
-        row = {"context": ctx, "batch": batch, "kernel": "cuda", "split": split, "stages": 0, "warps": 1,
+        row = {"context": ctx, "batch": batch, "kernel": "cuda", "split": split, "stages": 0, "warps": cwarps,
                "block_n": 64, "graph_us": bench_graph(cu) * 1e3, "kernel_us": sum(times.values()),
                "max_rel_diff_vs_first": diff}
         print(json.dumps(row), flush=True)
@@ -91,6 +93,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--block-n", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--cuda", action="store_true", help="also the CUDA C++ kernel (msa_attention_cuda) at each split")
+    ap.add_argument("--cuda-warps", type=int, nargs="+", default=[4, 2], help="the CUDA kernel's warps a CTA")
     args = ap.parse_args()
     rows: list[dict] = []
     for ctx in args.contexts:

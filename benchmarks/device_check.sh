@@ -47,8 +47,8 @@ bench() {
 }
 
 attn() {  # the CUDA C++ attention decode (off by default, ATTN_CUDA) against the Triton one, then the MSA grid with it
-  timeout 150 python benchmarks/bench_msa_attention_decode.py --contexts 131072 1048576 --batches 1 8 --stages 3 \
-    --warps 8 --block-n 64 --cuda > "$OUT/attn_cuda.txt" 2>&1; mark attn
+  timeout 150 python benchmarks/bench_msa_attention_decode.py --contexts 524288 --batches 1 8 32 --stages 3 \
+    --warps 8 --block-n 64 --splits 4 8 16 --cuda > "$OUT/attn_cuda.txt" 2>&1; mark attn
   timeout 150 python benchmarks/bench_msa.py --quick --no-reference --attn-cuda > "$OUT/msa_attn_cuda.txt" 2>&1
   mark msa_attn_cuda
   grep -E '^ +[0-9]' "$OUT/attn_cuda.txt" | head -40; tail -14 "$OUT/msa_attn_cuda.txt"

@@ -326,12 +326,13 @@ def msa_prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 Q_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-ATTN_CUDA = False
-"""Decode through the CUDA C++ kernel (:mod:`msa_attention_cuda`) where it runs (bf16 q, D = 128, KV blocks of
-a multiple of 64 tokens, <= 16 heads a KV group): off until its GPU tests and benchmark have run (written without a
-GPU). :func:`attention_specs` lists its specs when it is on, so set it the same way for an offline compile and for
-the run of its artifact. :func:`msa_sparse_attention_decode` (the Triton kernel with tiling overrides) never takes
-it."""
+ATTN_CUDA = True
+"""Decode through the CUDA C++ kernel (:mod:`msa_attention_cuda`) where it runs (CUDA sm_89+, bf16 q, D = 128, KV
+blocks of a multiple of 64 tokens, <= 16 heads a KV group), else the Triton kernel. On the H200 (RESULTS.md,
+session 15) 12.7 µs vs 14.2 at batch 1, 14.7 vs 14.6 at 8, 16.2 vs 23.3 at 32 (one row, top-16 of 128-token
+blocks). :func:`attention_specs` lists its specs when it is on, so set it the same way for an offline compile and
+for the run of its artifact. :func:`msa_sparse_attention_decode` (the Triton kernel with tiling overrides) never
+takes it."""
 
 MAX_SPLIT = 16
 
@@ -444,8 +445,7 @@ def attention_specs(num_heads: int, num_kv_heads: int, d: int, block_size: int, 
         raise ShapeError(f"q_dtype={q_dtype!r}: expected one of {sorted(Q_DTYPES)}")
     cuda: list = []
     if ATTN_CUDA and msa_attention_cuda.supported(num_heads, num_kv_heads, d, block_size, top_k, q_dtype) is None:
-        cuda = [msa_attention_cuda.decode_spec(num_heads, num_kv_heads, block_size, top_k, s)
-                for s in split_buckets(top_k)]
+        cuda = msa_attention_cuda.specs(num_heads, num_kv_heads, block_size, top_k)
     return [*(decode_spec(num_heads, num_kv_heads, d, block_size, top_k, q_dtype, s) for s in split_buckets(top_k)),
             *cuda, prefill_spec(num_heads, num_kv_heads, d, block_size, top_k, q_dtype)]
 
@@ -590,13 +590,11 @@ def _decode(runner: Runner, q: torch.Tensor, k_data: torch.Tensor, k_scale: torc
     """The decode kernel on checked inputs: split (default: the bucket filling the GPU) and tile overrides."""
     t, h, d = q.shape
     kvh, top_k = k_data.shape[2], sel.shape[-1]
-    split = max(1, min(split or pick_split(t * kvh, top_k, q.device), top_k))
     if ATTN_CUDA and not any(tiles.values()) and msa_attention_cuda.call_supported(q, kvh, block_size, top_k) is None:
-        if split not in split_buckets(top_k):  # the listed (AOT-compiled) splits only
-            split = max(s for s in split_buckets(top_k) if s <= split)
         msa_attention_cuda.launch(runner, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out,
-                                  block_size, scale, split)
+                                  block_size, scale)
         return
+    split = max(1, min(split or pick_split(t * kvh, top_k, q.device), top_k))
     spec = decode_spec(h, kvh, d, block_size, top_k, _q_name(q.dtype), split, gpu=not interpreting(), **tiles)
     _launch_decode(runner, spec, q, k_data, k_scale, v_data, v_scale, sel, pos, qsl, seq, table, out, scale)
 

@@ -1,12 +1,9 @@
-"""MSA sparse-attention decode on the tensor cores from CUDA C++ (``cuda/msa_attention_mma.cu``) — NOT YET RUN ON A
-GPU: off by default (:data:`m3c.backends.kernels.msa_attention.ATTN_CUDA`) until its GPU tests and benchmark pass.
+"""MSA sparse-attention decode on the tensor cores from CUDA C++ (``cuda/msa_attention_mma.cu``), on by default
+(:data:`m3c.backends.kernels.msa_attention.ATTN_CUDA`) where it runs; the Triton decode kernel elsewhere.
 
-Why: the Triton decode kernel takes ~14 µs per (row, KV group) at every context on the H200 (28 µs for 4 rows,
-78 µs for 32 × 4), latency-bound on its per-step NVFP4 decode and dot layout changes; at 512K tokens × 8 requests
-that and the top-k keep the MSA decode at 1.88× its byte floor (benchmarks/RESULTS.md, session 14).
-
-Design: one warp per (query row, KV group, split); the group's HG <= 16 query heads are one m16 MMA tile (rows past
-HG are zeros, never stored). Per 64-key step of a selected block:
+Design: a CTA of WARPS = 4 warps per (query row, KV group, split); a row's work is TOPK × BS/64 64-key steps (units),
+dealt round-robin to the SPLIT × WARPS warps (split 8 at small batches: one step a warp). The group's HG <= 16 query
+heads are one m16 MMA tile (rows past HG are zeros, never stored). Per 64-key step:
 - S = Q K^T with keys as the MMA's N: lane (g, c) loads the 16-byte quarter c of key 8j + g (its 32 K values over
   the 8 MMA steps, the indexer kernel's layout) and decodes it by byte permutes into f16 B fragments (exact);
   Q is staged once as f16 × 2^-e per head (bf16 queries are exact in f16), so scores are q.k × 2^e × scale in the
@@ -16,10 +13,18 @@ HG are zeros, never stored). Per 64-key step of a selected block:
 - O += P V with both the key order and the output-dim order free: lane (g, c) owns output dims 16g .. 16g + 15
   (tile jd's column g is dim 16g + jd), i.e. one scale group and 8 contiguous code bytes of each of its 4 keys a
   k16 step; two keys' nibbles are interleaved by byte permutes so one decode yields (key A, key B) f16 pairs, times
-  the (scale A, scale B) pair. No shared memory. Keys past the position read as zeros (the cache may hold NaN).
-Splits write (O, m, l) and the last to arrive merges them exactly in a fixed order (as the Triton kernel does).
-V for a whole 64-key step is loaded with K (one DRAM round trip a step). Registers: 220-237 (offline sm_90a, no
-spills). A row past ``query_start_loc[R]`` (a padded batch) outputs zeros. Numerics: P in f16 (the Triton kernel rounds P to bf16), ex2.approx.
+  the (scale A, scale B) pair. Keys past the position read as zeros (the cache may hold NaN).
+- All of a step's K and V loads are issued before its first MMA (LOADFENCE with one step a warp: a never-taken
+  branch on the loaded words keeps ptxas from sinking loads past the MMAs, i.e. one DRAM round trip a step).
+The CTA's warps merge exactly through 33 KiB of shared memory (fixed warp order); splits write (O, m, l) and the
+last CTA to arrive merges them (acq_rel fences around one atomic). A row past ``query_start_loc[R]`` (a padded
+batch) outputs zeros. Numerics: P in f16 (the Triton kernel rounds P to bf16), ex2.approx. 164-247 registers, no
+spills (offline sm_90a).
+
+Measured on the H200 (benchmarks/RESULTS.md, session 15): ~2.5 µs for a CTA's prologue and output, ~4 µs for the
+split merge (fences, atomic, partial round trips), ~3 µs a 64-key step for one warp (its ~3,000 instructions at
+one warp an SM sub-partition) — hence ~13 µs with one step a warp. The first version (one warp a program, merge by
+one warp) took 24-27 µs.
 """
 
 from __future__ import annotations
@@ -29,11 +34,12 @@ import functools
 import torch
 
 from m3c.backends.cuda_aot import CudaKernelSpec
-from m3c.backends.kernels.host import cuda_kernel_device, persistent
+from m3c.backends.kernels.host import cuda_kernel_device, num_sms, persistent
 from m3c.backends.triton_aot import Runner
 
 SOURCE = "msa_attention_mma.cu"
 HEAD_DIM = 128
+WARPS = 4  # a CTA: its warps merge through 33 KiB of shared memory
 
 
 def supported(num_heads: int, num_kv_heads: int, d: int, block_size: int, top_k: int, q_dtype: str) -> str | None:
@@ -60,13 +66,40 @@ def call_supported(q: torch.Tensor, num_kv_heads: int, block_size: int, top_k: i
     return supported(q.shape[1], num_kv_heads, q.shape[2], block_size, top_k, q_dtype)
 
 
+def splits(top_k: int, block_size: int, warps: int = WARPS) -> list[int]:
+    """The split counts (CTAs a row and KV group) the launcher picks from and :func:`specs` lists: powers of two
+    while every warp still gets a 64-key step of the top_k blocks."""
+    units = top_k * (block_size // 64)
+    out = [1]
+    while out[-1] * 2 * warps <= units:
+        out.append(out[-1] * 2)
+    return out
+
+
+def pick_split(tiles: int, top_k: int, block_size: int, device: torch.device) -> int:
+    """The smallest split giving >= 2 CTAs an SM (each CTA is latency-bound: ~1 DRAM round trip and one 64-key
+    step's decode a warp), else the largest."""
+    buckets = splits(top_k, block_size)
+    for split in buckets:
+        if tiles * split >= 2 * num_sms(device):
+            return split
+    return buckets[-1]
+
+
 @functools.cache
-def decode_spec(num_heads: int, num_kv_heads: int, block_size: int, top_k: int, split: int) -> CudaKernelSpec:
-    """The kernel's spec for a layout and split (one warp a program)."""
+def decode_spec(num_heads: int, num_kv_heads: int, block_size: int, top_k: int, split: int,
+                warps: int = WARPS) -> CudaKernelSpec:
+    """The kernel's spec for a layout, split and CTA size."""
     ptrs = ["q", "kd", "ks", "vd", "vs", "sel", "pos", "qsl", "seq", "bt", "out", "ws", "ml", "cnt"]
     types = (*((a, "*u8") for a in ptrs), ("n_req", "i32"), ("bt_stride", "i32"), ("scale", "fp32"))
-    defines = (("H", num_heads), ("KVH", num_kv_heads), ("BS", block_size), ("TOPK", top_k), ("SPLIT", split))
-    return CudaKernelSpec("msa_attention_mma", SOURCE, "msa_attn_decode", types, defines, 1, 0)
+    defines = (("H", num_heads), ("KVH", num_kv_heads), ("BS", block_size), ("TOPK", top_k), ("SPLIT", split),
+               ("WARPS", warps))
+    return CudaKernelSpec("msa_attention_mma", SOURCE, "msa_attn_decode", types, defines, warps, 0)
+
+
+def specs(num_heads: int, num_kv_heads: int, block_size: int, top_k: int) -> list[CudaKernelSpec]:
+    """Every spec :func:`launch` can pick for this layout (for AOT compiles)."""
+    return [decode_spec(num_heads, num_kv_heads, block_size, top_k, s) for s in splits(top_k, block_size)]
 
 
 def _workspace(device: torch.device, tiles: int, split: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,12 +116,15 @@ def _workspace(device: torch.device, tiles: int, split: int) -> tuple[torch.Tens
 
 def launch(runner: Runner, q: torch.Tensor, k_data: torch.Tensor, k_scale: torch.Tensor, v_data: torch.Tensor,
            v_scale: torch.Tensor, sel: torch.Tensor, pos: torch.Tensor, qsl: torch.Tensor, seq: torch.Tensor,
-           table: torch.Tensor, out: torch.Tensor, block_size: int, scale: float, split: int) -> None:
+           table: torch.Tensor, out: torch.Tensor, block_size: int, scale: float, split: int | None = None,
+           warps: int = WARPS) -> None:
     """The decode kernel on checked inputs (as :func:`m3c.backends.kernels.msa_attention.msa_sparse_attention`
-    checks them): grid T x KVH x split, one warp each."""
+    checks them): grid T x KVH x split CTAs of ``warps`` warps; ``split`` None picks a listed one."""
     t, h, _ = q.shape
     kvh, top_k = k_data.shape[2], sel.shape[-1]
-    spec = decode_spec(h, kvh, block_size, top_k, split)
+    if split is None:
+        split = pick_split(t * kvh, top_k, block_size, q.device)
+    spec = decode_spec(h, kvh, block_size, top_k, split, warps)
     ws, ml, cnt = _workspace(q.device, t * kvh, split)
     runner(spec, (t * kvh * split,),
            (q, k_data, k_scale.view(torch.uint8), v_data, v_scale.view(torch.uint8), sel, pos, qsl, seq, table, out,

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from m3c.backends.kernels import msa_attention_cuda
 from m3c.model_defs import ops, quant
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -344,8 +345,8 @@ def test_launch_specs_are_in_attention_specs(q_dtype: torch.dtype, monkeypatch: 
 
 
 def test_aot_compiles_without_spills() -> None:
-    """Every bf16 spec (decode at each split bucket + prefill) and the float32 prefill spec build offline for
-    sm_90a at m3.1-small shapes, without register spills (cuobjdump resource usage: STACK 0)."""
+    """Every bf16 spec (decode at each split bucket, the CUDA decode's + prefill) and the float32 prefill spec
+    build offline for sm_90a at m3.1-small shapes, without register spills (cuobjdump resource usage: STACK 0)."""
     import re
     import shutil
     import subprocess
@@ -359,7 +360,8 @@ def test_aot_compiles_without_spills() -> None:
     k = _kernel()
     specs = [*k.attention_specs(16, 1, 128, 128, 16, "bf16"), k.prefill_spec(16, 1, 128, 128, 16, "fp32")]
     built = compile_kernels(specs)
-    assert [b.name for b in built] == ["msa_decode_kernel"] * 5 + ["msa_prefill_kernel"] * 2
+    cuda = len(msa_attention_cuda.splits(16, 128)) if k.ATTN_CUDA else 0  # the CUDA C++ decode's splits
+    assert [b.name for b in built] == ["msa_decode_kernel"] * 5 + ["msa_attn_decode"] * cuda + ["msa_prefill_kernel"] * 2
     assert [b.key for b in built] == [s.key() for s in specs] and all(b.binary for b in built)
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists() and shutil.which("cuobjdump") is None:

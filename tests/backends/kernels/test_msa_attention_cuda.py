@@ -1,8 +1,8 @@
-"""The CUDA C++ MSA sparse-attention decode kernel (m3c/backends/kernels/msa_attention_cuda.py; off by default).
+"""The CUDA C++ MSA sparse-attention decode kernel (m3c/backends/kernels/msa_attention_cuda.py; ATTN_CUDA, on by default).
 
 CPU: lane-level twins of the kernel's fragment algebra — V's interleaved (key A, key B) pairs for every lane, and one
 64-key step (S = Q K^T from the lanes' K quarters, P from the S fragments, O = P V from the lanes' 8-byte V slices)
-against the dense computation —, the offline sm_90a build, and the dispatch with ATTN_CUDA on. GPU (`-m gpu`): the
+against the dense computation —, the offline sm_90a build, and the dispatch with ATTN_CUDA on and off. GPU (`-m gpu`): the
 kernel against the reference at m3.1-small shapes, other head groups and block sizes, splits, graph replays.
 """
 
@@ -129,17 +129,19 @@ def test_step_twin_equals_dense_attention(last: int, rng: torch.Generator) -> No
     assert torch.allclose(o, want_o, rtol=1e-9, atol=1e-9 * want_o.abs().max().item())
 
 
-@pytest.mark.parametrize("h,kvh,bs,top_k,split", [(16, 1, 128, 16, 16), (16, 1, 128, 16, 1), (8, 2, 64, 8, 4)])
-def test_compiles_for_sm90a(h: int, kvh: int, bs: int, top_k: int, split: int) -> None:
+@pytest.mark.parametrize("h,kvh,bs,top_k,split,warps", [(16, 1, 128, 16, 8, 4), (16, 1, 128, 16, 1, 4),
+                                                         (8, 2, 64, 8, 4, 1)])
+def test_compiles_for_sm90a(h: int, kvh: int, bs: int, top_k: int, split: int, warps: int) -> None:
     """Builds for sm_90a with the MMA and the prmt decodes, no register spills."""
-    ck = compile_cuda(mac.decode_spec(h, kvh, bs, top_k, split), "sm_90a")
+    ck = compile_cuda(mac.decode_spec(h, kvh, bs, top_k, split, warps), "sm_90a")
     sass = disassemble(ck.binary)
     assert "HMMA.16816.F32" in sass and "PRMT" in sass and "HMUL2" in sass and "STL" not in sass
 
 
 def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Generator) -> None:
-    """Layouts the kernel takes; with ATTN_CUDA on (and the call's device check forced, as on a GPU) decode goes to
-    the listed CUDA spec with the kernel's grid; off (the default) it stays on Triton."""
+    """Layouts the kernel takes; with ATTN_CUDA on and the call's device check forced (as on a GPU) decode goes to
+    the listed CUDA spec with the kernel's grid; where the device check fails (here) or the flag is off it stays
+    on Triton."""
     assert mac.supported(16, 1, 128, 128, 16, "bf16") is None
     assert "128" in mac.supported(16, 1, 64, 128, 16, "bf16") and "64" in mac.supported(16, 1, 128, 16, 16, "bf16")
     assert "1..16" in mac.supported(32, 1, 128, 128, 16, "bf16") and "bf16" in mac.supported(16, 1, 128, 128, 16,
@@ -153,6 +155,12 @@ def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Gene
 
     ma.msa_sparse_attention(**c, runner=record)
     assert not isinstance(seen[0][0], CudaKernelSpec)
+    monkeypatch.setattr(ma, "ATTN_CUDA", False)
+    monkeypatch.setattr(mac, "call_supported", lambda q, kvh, bs, top_k: None)
+    seen.clear()
+    ma.msa_sparse_attention(**c, runner=record)
+    assert not isinstance(seen[0][0], CudaKernelSpec)
+    assert not any(isinstance(s, CudaKernelSpec) for s in ma.attention_specs(16, 2, 128, 64, 4, "bf16"))
     monkeypatch.setattr(ma, "ATTN_CUDA", True)
     monkeypatch.setattr(mac, "call_supported", lambda q, kvh, bs, top_k: None)
     seen.clear()
@@ -161,6 +169,18 @@ def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Gene
     listed = {s.key() for s in ma.attention_specs(16, 2, 128, 64, 4, "bf16")}
     assert isinstance(spec, CudaKernelSpec) and spec.key() in listed
     assert grid[0] == 3 * 2 * dict(spec.defines)["SPLIT"]
+
+
+def test_splits_keep_every_warp_busy() -> None:
+    """Listed splits give every warp of every CTA at least one 64-key step; the pick fills ~2 CTAs an SM."""
+    assert mac.splits(16, 128) == [1, 2, 4, 8] and mac.splits(16, 128, warps=2) == [1, 2, 4, 8, 16]
+    assert mac.splits(1, 64) == [1] and mac.splits(5, 64) == [1]
+    for top_k, bs in [(16, 128), (8, 64), (32, 256), (3, 128)]:
+        for split in mac.splits(top_k, bs):
+            assert split * mac.WARPS <= max(top_k * bs // 64, mac.WARPS)
+    cpu = torch.device("cpu")  # 132 SMs there
+    assert mac.pick_split(1, 16, 128, cpu) == 8 and mac.pick_split(33, 16, 128, cpu) == 8
+    assert mac.pick_split(66, 16, 128, cpu) == 4 and mac.pick_split(264, 16, 128, cpu) == 1
 
 
 def test_workspace_only_for_splits() -> None:
@@ -185,13 +205,13 @@ def test_matches_reference(hg: int, kvh: int, bs: int, top_k: int, reqs: list, r
     monkeypatch.setattr(ma, "ATTN_CUDA", True)
     c = _case(rng, 128, bs, hg, kvh, top_k, reqs, q_dtype=torch.bfloat16, device="cuda")
     ref = _reference(c)
-    for split in (None, 1, 2):
+    for split, warps in ((None, 4), (1, 4), (2, 4), (1, 1), (4, 2)):
         out = torch.full_like(c["q"], float("nan"))
         ma.msa_sparse_attention(**c, out=out) if split is None else mac.launch(
             ma.jit_run, c["q"], c["k_data"], c["k_scale"], c["v_data"], c["v_scale"], c["selected"], c["positions"],
-            c["query_start_loc"], c["seq_lens"], c["block_table"], out, c["block_size"], c["scale"], split)
-        assert torch.isfinite(out).all(), split
-        assert _rel(out, ref) <= 1e-2, (split, _rel(out, ref))  # bf16 output, f16 P
+            c["query_start_loc"], c["seq_lens"], c["block_table"], out, c["block_size"], c["scale"], split, warps)
+        assert torch.isfinite(out).all(), (split, warps)
+        assert _rel(out, ref) <= 1e-2, (split, warps, _rel(out, ref))  # bf16 output, f16 P
 
 
 @pytest.mark.gpu

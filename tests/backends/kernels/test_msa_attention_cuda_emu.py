@@ -1,7 +1,7 @@
 """A lane-level emulation of the whole CUDA attention decode kernel (``msa_attn_decode`` in
 cuda/msa_attention_mma.cu; a helper's review wrote it): every lane's loads, byte permutes, f16 roundings, the MMA
-fragments assembled by the PTX layouts, the online softmax, the splits in a random arrival order and the last-arrive
-merge, against the reference ``ops.sparse_attention`` — CPU CI's check of the kernel's whole algebra (it has only
+fragments assembled by the PTX layouts, the online softmax, a CTA's warps (in random order) merged through shared
+memory, the splits in a random arrival order and the last-arrive merge, against the reference ``ops.sparse_attention`` — CPU CI's check of the kernel's whole algebra (it has only
 been compiled, not run, where no GPU is). Keep it in step with the kernel."""
 
 from __future__ import annotations
@@ -124,10 +124,13 @@ def ld(buf, off, n):  # bytes buf (flat uint8) -> n little-endian u32 words
     return [int.from_bytes(bytes(buf[off + 4 * i : off + 4 * i + 4]), "little") for i in range(n)]
 
 
-def run(H, KVH, BS, TOPK, SPLIT, q, kd, ks, vd, vs, sel, pos, qsl, seq, bt, scale, order_seed=0):
+def run(H, KVH, BS, TOPK, SPLIT, WARPS, q, kd, ks, vd, vs, sel, pos, qsl, seq, bt, scale, order_seed=0):
     D = 128
     HG = H // KVH
-    PER = (TOPK + SPLIT - 1) // SPLIT
+    STEPS = BS // 64
+    UNITS = TOPK * STEPS
+    WORKERS = SPLIT * WARPS
+    PER = (UNITS + WORKERS - 1) // WORKERS
     T = q.shape[0]
     qb = q.view(torch.int16).numpy().astype(np.int64) & 0xFFFF  # bf16 bits [T,H,128]
     kd = kd.contiguous().view(-1).numpy()
@@ -192,20 +195,27 @@ def run(H, KVH, BS, TOPK, SPLIT, q, kd, ks, vd, vs, sel, pos, qsl, seq, bt, scal
             for s in range(8):
                 qa[s][hh] = f2h(x[:, 4 * s] * down, x[:, 4 * s + 1] * down)
                 qa[s][2 + hh] = f2h(x[:, 4 * s + 2] * down, x[:, 4 * s + 3] * down)
-        o = np.zeros((16, 32, 4))
-        mrow = np.full((2, 32), NEG)
-        lrow = np.zeros((2, 32))
-        bt_row = r * bt_stride
-        for i in range(PER):
-            idx = sp + SPLIT * i
-            if idx >= TOPK or not ((kept >> idx) & 1):
+        so = np.zeros((WARPS, 16, D))  # the CTA's shared O rows (logical layout; the kernel pads them)
+        sml = np.zeros((WARPS, 32))
+        for wid in rng.permutation(WARPS):  # warps in any order: the merge below reads them in a fixed one
+          o = np.zeros((16, 32, 4))
+          mrow = np.full((2, 32), NEG)
+          lrow = np.zeros((2, 32))
+          bt_row = r * bt_stride
+          me = sp * WARPS + wid
+          for i in range(PER):
+            u = me + WORKERS * i
+            if u >= UNITS:
+                break
+            idx, st = u // STEPS, u % STEPS
+            if not ((kept >> idx) & 1):
                 continue
             b = sel_v[idx]
+            first = b * BS + st * 64
+            if first > last:
+                continue
             phys = int(bt[bt_row + b])
-            for st in range(BS // 64):
-                first = b * BS + st * 64
-                if first > last:
-                    break
+            if True:
                 row0 = (phys * BS + st * 64) * KVH + kg
                 s = np.zeros((8, 32, 4))
                 for j in range(8):
@@ -293,32 +303,33 @@ def run(H, KVH, BS, TOPK, SPLIT, q, kd, ks, vd, vs, sel, pos, qsl, seq, bt, scal
                     b1 = v_pairs(v[2], v[3], vsc[2] | (vsc[3] << 8))
                     for jd in range(16):
                         o[jd] = mma(o[jd], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b0[jd], b1[jd])
-        for hh in range(2):
+          for hh in range(2):
             lrow[hh] = quad_sum(lrow[hh])
-        if SPLIT == 1:
-            for hh in range(2):
-                for ln in range(32):
-                    g, c = ln >> 2, ln & 3
-                    h = g + 8 * hh
-                    if h >= HG:
-                        continue
-                    inv = 1 / lrow[hh][ln] if lrow[hh][ln] > 0 else 0.0
-                    dst = (t * H + kg * HG + h) * D
-                    for jd in range(16):
-                        for e2 in range(2):
-                            out[dst + 16 * (2 * c + e2) + jd] = o[jd][ln][2 * hh + e2] * inv
-            continue
-        part = tile * SPLIT + sp
-        for hh in range(2):
             for ln in range(32):
                 g, c = ln >> 2, ln & 3
-                dst = (part * 16 + g + 8 * hh) * D
                 for jd in range(16):
                     for e2 in range(2):
-                        ws[dst + 16 * (2 * c + e2) + jd] = o[jd][ln][2 * hh + e2]
+                        so[wid, g + 8 * hh, 16 * (2 * c + e2) + jd] = o[jd][ln][2 * hh + e2]
                 if c == 0:
-                    ml[part * 32 + g + 8 * hh] = mrow[hh][ln]
-                    ml[part * 32 + 16 + g + 8 * hh] = lrow[hh][ln]
+                    sml[wid, g + 8 * hh] = mrow[hh][ln]
+                    sml[wid, 16 + g + 8 * hh] = lrow[hh][ln]
+        # The CTA's merge over its warps (fixed order), per head row.
+        part = tile * SPLIT + sp
+        for h in range(HG):
+            mall = sml[:, h].max()
+            mref = 0.0 if mall == NEG else mall
+            wt = np.exp2(sml[:, h] - mref)
+            acc = (wt[:, None] * so[:, h]).sum(0)
+            lsum = float((wt * sml[:, 16 + h]).sum())
+            if SPLIT == 1:
+                inv = 1 / lsum if lsum > 0 else 0.0
+                out[(t * H + kg * HG + h) * D : (t * H + kg * HG + h) * D + D] = acc * inv
+            else:
+                ws[(part * 16 + h) * D : (part * 16 + h) * D + D] = acc
+                ml[part * 32 + h] = mall
+                ml[part * 32 + 16 + h] = lsum
+        if SPLIT == 1:
+            continue
         old = cnt[tile]
         cnt[tile] += 1
         if old != SPLIT - 1:
@@ -342,7 +353,7 @@ def run(H, KVH, BS, TOPK, SPLIT, q, kd, ks, vd, vs, sel, pos, qsl, seq, bt, scal
     return torch.tensor(out.reshape(T, H, D))
 
 
-def _go(hg: int, kvh: int, bs: int, top_k: int, split: int, reqs: list, seed: int, edit=None) -> None:
+def _go(hg: int, kvh: int, bs: int, top_k: int, split: int, warps: int, reqs: list, seed: int, edit=None) -> None:
     gen = torch.Generator().manual_seed(seed)
     c = _case(gen, 128, bs, hg, kvh, top_k, reqs, q_dtype=torch.bfloat16, device="cpu", share_p=0.5)
     if edit:
@@ -354,6 +365,7 @@ def _go(hg: int, kvh: int, bs: int, top_k: int, split: int, reqs: list, seed: in
         bs,
         top_k,
         split,
+        warps,
         c["q"],
         c["k_data"],
         c["k_scale"],
@@ -377,12 +389,14 @@ def _edge(c: dict) -> None:
     c["selected"][1, :, :] = c["selected"][1, :, :1]  # row 1: every entry the same block
 
 
-@pytest.mark.parametrize("case", ["edge", "groups", "split16"])
+@pytest.mark.parametrize("case", ["edge", "groups", "unsplit", "split16"])
 def test_kernel_emulation_matches_reference(case: str) -> None:
     seed = int(torch.randint(0, 2**31, ()))
-    if case == "edge":  # -1 rows, duplicates, a request without rows, 64-token blocks, 2 splits
-        _go(16, 1, 64, 5, 2, [(300, 3), (200, 0), (150, 1)], seed, _edge)
-    elif case == "groups":  # two KV groups of 8 heads, split 4
-        _go(8, 2, 128, 4, 4, [(900, 2)], seed)
-    else:  # top-32 over 16 splits, unsplit-sized single head
-        _go(1, 1, 64, 32, 16, [(2600, 1)], seed)
+    if case == "edge":  # -1 rows, duplicates, a request without rows, 64-token blocks, 2 splits of 2 warps
+        _go(16, 1, 64, 5, 2, 2, [(300, 3), (200, 0), (150, 1)], seed, _edge)
+    elif case == "groups":  # two KV groups of 8 heads, split 2 of 4 warps (one 64-key step a warp)
+        _go(8, 2, 128, 4, 2, 4, [(900, 2)], seed)
+    elif case == "unsplit":  # one CTA of 4 warps a row (several blocks a warp)
+        _go(16, 1, 128, 16, 1, 4, [(5000, 2)], seed)
+    else:  # top-32 over 16 splits of one warp, a single head
+        _go(1, 1, 64, 32, 16, 1, [(2600, 1)], seed)

@@ -1,9 +1,11 @@
-// MSA sparse-attention decode for sm_89+: one warp per (query row, KV group, split), the group's HG <= 16 query
-// heads as the MMA's M (one m16 tile), NVFP4 K and V decoded in registers straight into mma.sync m16n8k16 f16
-// fragments, online softmax in registers, the splits merged exactly by the last to arrive. Host side, layouts and
-// numerics: m3c/backends/kernels/msa_attention_cuda.py. No system headers (only ptx_common.cuh).
-// Compile-time settings: H (query heads), KVH (KV heads), BS (KV block size, a multiple of 64), TOPK, SPLIT.
-// D = 128 (64 code bytes + 8 E4M3 scale bytes a key and head).
+// MSA sparse-attention decode for sm_89+: a CTA of WARPS warps per (query row, KV group, split), each warp one or
+// more 64-key steps of the selected blocks; the group's HG <= 16 query heads are the MMA's M (one m16 tile), NVFP4 K
+// and V decoded in registers straight into mma.sync m16n8k16 f16 fragments, online softmax in registers; the CTA's
+// warps merged exactly through shared memory, the splits by the last CTA to arrive. Host side, layouts and numerics:
+// m3c/backends/kernels/msa_attention_cuda.py. No system headers (only ptx_common.cuh).
+// Compile-time settings: H (query heads), KVH (KV heads), BS (KV block size, a multiple of 64), TOPK, SPLIT (CTAs a
+// row and group), WARPS (warps a CTA, <= 4: the merge's shared memory), LOADFENCE (see the step). D = 128 (64 code bytes + 8 E4M3 scale bytes
+// a key and head).
 #ifndef H
 #define H 16
 #endif
@@ -17,14 +19,25 @@
 #define TOPK 16
 #endif
 #ifndef SPLIT
-#define SPLIT 16
+#define SPLIT 8
+#endif
+#ifndef WARPS
+#define WARPS 4
 #endif
 #define D 128
 #define HG (H / KVH)
-#define PER ((TOPK + SPLIT - 1) / SPLIT)
+#define STEPS (BS / 64)               // 64-key steps a block
+#define UNITS (TOPK * STEPS)          // (selection entry, step) work units of a row and group
+#define WORKERS (SPLIT * WARPS)       // warps over a row and group
+#define PER ((UNITS + WORKERS - 1) / WORKERS)
+#ifndef LOADFENCE
+#define LOADFENCE (PER == 1)  // measured: -0.4..0.8 µs with one step a warp, slower with more (registers)
+#endif
+#define OROW (D + 4)                  // shared O row stride (floats): lane (g, c)'s stores hit 32 distinct banks
 static_assert(BS % 64 == 0, "BS must be a multiple of 64 (64-key steps)");
 static_assert(HG >= 1 && HG <= 16 && H % KVH == 0, "1..16 query heads a KV group");
 static_assert(TOPK <= 32, "a selection row in one warp");
+static_assert(WARPS >= 1 && WARPS <= 4, "1..4 warps a CTA (the merge's shared O is 8.25 KiB a warp)");
 
 #include "ptx_common.cuh"
 
@@ -38,6 +51,7 @@ __device__ __forceinline__ float ld_l2(const float* p) {
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
   return r;
 }
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }  // |e| <= 126
 
 
@@ -64,14 +78,18 @@ __device__ __forceinline__ void v_pairs(uint2 va, uint2 vb, u32 sab, u32 (&out)[
   }
 }
 
-// Attention of one query row t over its KV group kg's selected blocks (entries sp, sp + SPLIT, ...): out[t, kg HG +
-// h, :] for h < HG (SPLIT == 1), else this split's (unnormalized O, m, l) into ws / ml and, in the last split to
-// arrive, the exact merge. Scores in the log2 domain: s = q . k * 2^e(h) * scale * log2(e).
-extern "C" __global__ void __launch_bounds__(32)
+// Attention of one query row t over its KV group kg's selected blocks: warp w of split sp takes the work units
+// (entry u / STEPS, step u % STEPS) for u = sp WARPS + w + WORKERS i. The CTA's warps are merged through shared
+// memory; out[t, kg HG + h, :] for h < HG (SPLIT == 1), else the split's (unnormalized O, m, l) into ws / ml and, in
+// the last split to arrive, the exact merge. Scores in the log2 domain: s = q . k * 2^e(h) * scale * log2(e).
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
 msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8* vs, const long long* sel,
                 const long long* pos, const int* qsl, const int* seq, const int* bt, u16* out, float* ws, float* ml,
                 unsigned int* cnt, int n_req, int bt_stride, float scale, void* scratch0, void* scratch1) {
-  const int lane = threadIdx.x, g = lane >> 2, c = lane & 3;
+  __shared__ float so[WARPS][16 * OROW];  // each warp's O rows (dim d at d + d / 32: conflict-free stores)
+  __shared__ float sml[WARPS][32];        // each warp's m (0..15) and l (16..31) per head row
+  __shared__ unsigned int s_old;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int sp = blockIdx.x % SPLIT, tile = blockIdx.x / SPLIT, t = tile / KVH, kg = tile % KVH;
   // The row's request: how many requests end at or before t.
   int r = 0;
@@ -119,14 +137,17 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
   for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float mrow[2] = {__uint_as_float(0xFF800000u), __uint_as_float(0xFF800000u)}, lrow[2] = {0.f, 0.f};
   const int* bt_row = bt + (long)r * bt_stride;
+  const int me = sp * WARPS + wid;
   for (int i = 0; i < PER; ++i) {
-    const int idx = sp + SPLIT * i;
-    if (idx >= TOPK || !((kept >> idx) & 1u)) continue;
+    const int u = me + WORKERS * i;
+    if (u >= UNITS) break;
+    const int idx = u / STEPS, st = u % STEPS;
+    if (!((kept >> idx) & 1u)) continue;
     const long long b = __shfl_sync(0xffffffffu, sel_v, idx);
+    const long long first = b * BS + st * 64;
+    if (first > last) continue;
     const long phys = bt_row[b];
-    for (int st = 0; st < BS / 64; ++st) {
-      const long long first = b * BS + st * 64;
-      if (first > last) break;
+    {
       const long row0 = (phys * BS + st * 64) * KVH + kg;  // cache row of the step's key 0
       // S = Q . K^T over the step's 64 keys: 8 n8 tiles (keys 8 j + g for this lane's B column).
       // V for the whole step first (its addresses do not depend on P): one DRAM round trip per step, not two.
@@ -145,11 +166,36 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
         }
       }
       float s[8][4];
+#if LOADFENCE
+      uint4 kcs[8];
+      u32 kscs[8];
+      u32 z = 0u;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const long krow = row0 + (long)(8 * j + g) * KVH;
+        kcs[j] = ld_stream4(kd + krow * (D / 2) + 16 * c);
+        kscs[j] = *(const u16*)(ks + krow * (D / 16) + 2 * c);
+      }
+      // A branch on every loaded word (never taken: n_req > 0) keeps ptxas from sinking any of the step's loads
+      // past the first MMA: the step waits for one DRAM round trip, not one per late load.
+#pragma unroll
+      for (int j = 0; j < 8; ++j) z ^= kcs[j].x ^ kcs[j].y ^ kcs[j].z ^ kcs[j].w ^ kscs[j];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) z ^= v[kk][q4].x ^ v[kk][q4].y ^ vsc[kk][q4];
+      if (n_req < 0) out[0] = (u16)z;
+#endif
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#if LOADFENCE
+        const uint4 kc = kcs[j];
+        const u32 ksc = kscs[j];
+#else
+        const long krow = row0 + (long)(8 * j + g) * KVH;
         const uint4 kc = ld_stream4(kd + krow * (D / 2) + 16 * c);
         const u32 ksc = *(const u16*)(ks + krow * (D / 16) + 2 * c);
+#endif
         const u32 s0 = scale_pair(ksc, 0), s1 = scale_pair(ksc, 1);
         s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
         const u32 kw[4] = {kc.x, kc.y, kc.z, kc.w};
@@ -219,70 +265,82 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
     lrow[hh] += __shfl_xor_sync(0xffffffffu, lrow[hh], 2);
   }
   // Lane (g, c) holds O rows g (o[.][0..1]) and g + 8 (o[.][2..3]), dims 16 (2c + e) + jd.
-  if (SPLIT == 1) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int h = g + 8 * hh;
-      if (h >= HG) continue;
-      const float inv = lrow[hh] > 0.f ? 1.f / lrow[hh] : 0.f;
-      u16* dst = out + ((long)t * H + kg * HG + h) * D;
-#pragma unroll
-      for (int jd = 0; jd < 16; ++jd)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          u16 bits;
-          asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(o[jd][2 * hh + e] * inv));
-          dst[16 * (2 * c + e) + jd] = bits;
-        }
-    }
-    return;
-  }
-  const long part = (long)tile * SPLIT + sp;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    float* dst = ws + (part * 16 + g + 8 * hh) * D;
+    float* dst = so[wid] + (g + 8 * hh) * OROW;
 #pragma unroll
     for (int jd = 0; jd < 16; ++jd)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) dst[16 * (2 * c + e) + jd] = o[jd][2 * hh + e];
+      for (int e = 0; e < 2; ++e) dst[16 * (2 * c + e) + jd + c] = o[jd][2 * hh + e];  // d + d / 32, d / 32 = c
     if (c == 0) {
-      ml[part * 32 + g + 8 * hh] = mrow[hh];
-      ml[part * 32 + 16 + g + 8 * hh] = lrow[hh];
+      sml[wid][g + 8 * hh] = mrow[hh];
+      sml[wid][16 + g + 8 * hh] = lrow[hh];
     }
   }
-  // The last split of this (row, group) to arrive merges all of them in a fixed order.
-  __threadfence();
-  __syncwarp();
-  unsigned int old = 0;
-  if (lane == 0) {
-    old = atomicAdd(cnt + tile, 1u);
-    __threadfence();  // acquire: ordered after the atomic, before the warp's reads below
-  }
-  __syncwarp();
-  old = __shfl_sync(0xffffffffu, old, 0);
-  if (old != SPLIT - 1) return;
-  __threadfence();
-  if (lane == 0) cnt[tile] = 0u;
-  // Lane: dims 4 lane .. 4 lane + 3 of every head row.
-  for (int h = 0; h < HG; ++h) {
+  __syncthreads();
+  // The CTA's merge (fixed warp order): thread i takes (head, dim) = (j / D, j % D) for j = i, i + 32 WARPS, ...
+  const long part = (long)tile * SPLIT + sp;
+  for (int j = threadIdx.x; j < HG * D; j += 32 * WARPS) {
+    const int h = j / D, d = j % D;
     float mall = __uint_as_float(0xFF800000u);
-    for (int k = 0; k < SPLIT; ++k) mall = fmaxf(mall, ld_l2(ml + ((long)tile * SPLIT + k) * 32 + h));
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mall = fmaxf(mall, sml[w][h]);
     const float mref = mall == __uint_as_float(0xFF800000u) ? 0.f : mall;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, l = 0.f;
-    for (int k = 0; k < SPLIT; ++k) {
-      const long pk = (long)tile * SPLIT + k;
-      const float w = ex2(ld_l2(ml + pk * 32 + h) - mref);
-      l += w * ld_l2(ml + pk * 32 + 16 + h);
+    float acc = 0.f, l = 0.f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) acc[i] += w * ld_l2(ws + (pk * 16 + h) * D + 4 * lane + i);
+    for (int w = 0; w < WARPS; ++w) {
+      const float wt = ex2(sml[w][h] - mref);
+      l += wt * sml[w][16 + h];
+      acc += wt * so[w][h * OROW + d + d / 32];
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    u16* dst = out + ((long)t * H + kg * HG + h) * D + 4 * lane;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    if (SPLIT == 1) {
+      const float inv = l > 0.f ? 1.f / l : 0.f;
       u16 bits;
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc[i] * inv));
-      dst[i] = bits;
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc * inv));
+      out[((long)t * H + kg * HG + h) * D + d] = bits;
+    } else {
+      ws[(part * 16 + h) * D + d] = acc;
+      if (d == 0) {
+        ml[part * 32 + h] = mall;
+        ml[part * 32 + 16 + h] = l;
+      }
+    }
+  }
+  if (SPLIT == 1) return;
+  // The last split of this (row, group) to arrive merges all of them in a fixed order. Release: the CTA's stores,
+  // the barrier, then thread 0's acq_rel fence and atomic; acquire: the atomic, the fence, the barrier.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_gpu();
+    s_old = atomicAdd(cnt + tile, 1u);
+    fence_acq_rel_gpu();
+  }
+  __syncthreads();
+  if (s_old != SPLIT - 1) return;
+  if (threadIdx.x == 0) cnt[tile] = 0u;
+  // Every split's (m, l) into shared memory (one parallel round of L2 loads), then thread i merges dims
+  // d = i % D (+ 32 WARPS ...) of every head with all of its loads unrolled: a few round trips, not one a value.
+  float* sm2 = &so[0][0];  // reused: the CTA merge above is done (synced by the arrival barrier)
+  for (int i = threadIdx.x; i < SPLIT * 32; i += 32 * WARPS) sm2[i] = ld_l2(ml + (long)tile * SPLIT * 32 + i);
+  __syncthreads();
+  for (int d = threadIdx.x; d < D; d += 32 * WARPS) {
+#pragma unroll
+    for (int h = 0; h < HG; ++h) {
+      float mall = __uint_as_float(0xFF800000u);
+#pragma unroll
+      for (int k = 0; k < SPLIT; ++k) mall = fmaxf(mall, sm2[k * 32 + h]);
+      const float mref = mall == __uint_as_float(0xFF800000u) ? 0.f : mall;
+      float acc = 0.f, l = 0.f;
+#pragma unroll
+      for (int k = 0; k < SPLIT; ++k) {
+        const float wt = ex2(sm2[k * 32 + h] - mref);
+        l += wt * sm2[k * 32 + 16 + h];
+        acc += wt * ld_l2(ws + (((long)tile * SPLIT + k) * 16 + h) * D + d);
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      u16 bits;
+      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc * inv));
+      out[((long)t * H + kg * HG + h) * D + d] = bits;
     }
   }
 }
