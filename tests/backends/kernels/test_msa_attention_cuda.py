@@ -132,10 +132,12 @@ def test_step_twin_equals_dense_attention(last: int, rng: torch.Generator) -> No
 @pytest.mark.parametrize("h,kvh,bs,top_k,split,warps", [(16, 1, 128, 16, 8, 4), (16, 1, 128, 16, 1, 4),
                                                          (8, 2, 64, 8, 4, 1)])
 def test_compiles_for_sm90a(h: int, kvh: int, bs: int, top_k: int, split: int, warps: int) -> None:
-    """Builds for sm_90a with the MMA and the prmt decodes, no register spills."""
+    """Builds for sm_90a with the MMA and the prmt decodes, no register spills; 2..8 splits merge in a cluster
+    (its barrier in the SASS), one split needs none."""
     ck = compile_cuda(mac.decode_spec(h, kvh, bs, top_k, split, warps), "sm_90a")
     sass = disassemble(ck.binary)
     assert "HMMA.16816.F32" in sass and "PRMT" in sass and "HMUL2" in sass and "STL" not in sass
+    assert ("UCGABAR_WAIT" in sass) == (1 < split <= 8)
 
 
 def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Generator) -> None:
@@ -205,7 +207,8 @@ def test_matches_reference(hg: int, kvh: int, bs: int, top_k: int, reqs: list, r
     monkeypatch.setattr(ma, "ATTN_CUDA", True)
     c = _case(rng, 128, bs, hg, kvh, top_k, reqs, q_dtype=torch.bfloat16, device="cuda")
     ref = _reference(c)
-    for split, warps in ((None, 4), (1, 4), (2, 4), (1, 1), (4, 2)):
+    # (splits <= 8 merge in a thread-block cluster, 16 through global memory and the last CTA to arrive)
+    for split, warps in ((None, 4), (1, 4), (2, 4), (1, 1), (4, 2), (16, 2)):
         out = torch.full_like(c["q"], float("nan"))
         ma.msa_sparse_attention(**c, out=out) if split is None else mac.launch(
             ma.jit_run, c["q"], c["k_data"], c["k_scale"], c["v_data"], c["v_scale"], c["selected"], c["positions"],

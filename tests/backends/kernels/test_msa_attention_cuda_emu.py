@@ -1,8 +1,10 @@
 """A lane-level emulation of the whole CUDA attention decode kernel (``msa_attn_decode`` in
 cuda/msa_attention_mma.cu; a helper's review wrote it): every lane's loads, byte permutes, f16 roundings, the MMA
 fragments assembled by the PTX layouts, the online softmax, a CTA's warps (in random order) merged through shared
-memory, the splits in a random arrival order and the last-arrive merge, against the reference ``ops.sparse_attention`` — CPU CI's check of the kernel's whole algebra (it has only
-been compiled, not run, where no GPU is). Keep it in step with the kernel."""
+memory, the splits in a random arrival order and the last-arrive merge through global memory (sm_89, more than 8
+splits; on sm_90 up to 8 splits merge in a thread-block cluster: the same partials summed in the same order),
+against the reference ``ops.sparse_attention`` — CPU CI's check of the kernel's whole algebra (it runs only on a
+GPU). Keep it in step with the kernel."""
 
 from __future__ import annotations
 

@@ -33,6 +33,15 @@
 #ifndef LOADFENCE
 #define LOADFENCE (PER == 1)  // measured: -0.4..0.8 µs with one step a warp, slower with more (registers)
 #endif
+// Splits merged through distributed shared memory (a thread-block cluster of SPLIT CTAs, sm_90+), else by the
+// last CTA to arrive through global memory (sm_89, and SPLIT > 8: above the portable cluster size).
+#if SPLIT > 1 && SPLIT <= 8 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CLUSTER 1
+#define KCLUSTER __cluster_dims__(SPLIT, 1, 1)
+#else
+#define CLUSTER 0
+#define KCLUSTER
+#endif
 #define OROW (D + 4)                  // shared O row stride (floats): lane (g, c)'s stores hit 32 distinct banks
 static_assert(BS % 64 == 0, "BS must be a multiple of 64 (64-key steps)");
 static_assert(HG >= 1 && HG <= 16 && H % KVH == 0, "1..16 query heads a KV group");
@@ -52,6 +61,20 @@ __device__ __forceinline__ float ld_l2(const float* p) {
   return r;
 }
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {  // every thread of every CTA of the cluster; orders smem
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ u32 cluster_addr(const float* p, u32 rank) {  // p in CTA `rank`'s shared memory
+  u32 a, r;
+  asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float ld_cluster(u32 addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
 __device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }  // |e| <= 126
 
 
@@ -82,13 +105,15 @@ __device__ __forceinline__ void v_pairs(uint2 va, uint2 vb, u32 sab, u32 (&out)[
 // (entry u / STEPS, step u % STEPS) for u = sp WARPS + w + WORKERS i. The CTA's warps are merged through shared
 // memory; out[t, kg HG + h, :] for h < HG (SPLIT == 1), else the split's (unnormalized O, m, l) into ws / ml and, in
 // the last split to arrive, the exact merge. Scores in the log2 domain: s = q . k * 2^e(h) * scale * log2(e).
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
+extern "C" __global__ void __launch_bounds__(32 * WARPS) KCLUSTER
 msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8* vs, const long long* sel,
                 const long long* pos, const int* qsl, const int* seq, const int* bt, u16* out, float* ws, float* ml,
                 unsigned int* cnt, int n_req, int bt_stride, float scale, void* scratch0, void* scratch1) {
   __shared__ float so[WARPS][16 * OROW];  // each warp's O rows (dim d at d + d / 32: conflict-free stores)
   __shared__ float sml[WARPS][32];        // each warp's m (0..15) and l (16..31) per head row
   __shared__ unsigned int s_old;
+  __shared__ float cl_o[CLUSTER ? 16 * D : 1];  // this CTA's merged (O, m, l): read by the cluster's merge
+  __shared__ float cl_ml[32];
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
   const int sp = blockIdx.x % SPLIT, tile = blockIdx.x / SPLIT, t = tile / KVH, kg = tile % KVH;
   // The row's request: how many requests end at or before t.
@@ -298,6 +323,9 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
       u16 bits;
       asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc * inv));
       out[((long)t * H + kg * HG + h) * D + d] = bits;
+    } else if (CLUSTER) {
+      cl_o[h * D + d] = acc;
+      if (d == 0) cl_ml[h] = mall, cl_ml[16 + h] = l;
     } else {
       ws[(part * 16 + h) * D + d] = acc;
       if (d == 0) {
@@ -307,6 +335,38 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
     }
   }
   if (SPLIT == 1) return;
+#if CLUSTER
+  // Cluster merge: CTA `sp` merges heads sp, sp + SPLIT, ... from every CTA's shared memory (fixed order), then
+  // a second cluster barrier keeps every CTA's shared memory alive until all of those reads are done.
+  cluster_sync();
+  for (int j = threadIdx.x; j < HG * D; j += 32 * WARPS) {
+    const int h = j / D, d = j % D;
+    if (h % SPLIT != sp) continue;
+    float mk[SPLIT], lk[SPLIT], ok[SPLIT];
+    float mall = __uint_as_float(0xFF800000u);
+#pragma unroll
+    for (int k = 0; k < SPLIT; ++k) {
+      mk[k] = ld_cluster(cluster_addr(cl_ml + h, k));
+      lk[k] = ld_cluster(cluster_addr(cl_ml + 16 + h, k));
+      ok[k] = ld_cluster(cluster_addr(cl_o + h * D + d, k));
+      mall = fmaxf(mall, mk[k]);
+    }
+    const float mref = mall == __uint_as_float(0xFF800000u) ? 0.f : mall;
+    float acc = 0.f, l = 0.f;
+#pragma unroll
+    for (int k = 0; k < SPLIT; ++k) {
+      const float wt = ex2(mk[k] - mref);
+      l += wt * lk[k];
+      acc += wt * ok[k];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    u16 bits;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc * inv));
+    out[((long)t * H + kg * HG + h) * D + d] = bits;
+  }
+  cluster_sync();
+  return;
+#endif
   // The last split of this (row, group) to arrive merges all of them in a fixed order. Release: the CTA's stores,
   // the barrier, then thread 0's acq_rel fence and atomic; acquire: the atomic, the fence, the barrier.
   __syncthreads();
