@@ -159,9 +159,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 1 and 8, 1 row, plus the prefill chunks")
     ap.add_argument("--no-reference", action="store_true", help="skip the plain-PyTorch MSA baselines")
-    ap.add_argument("--attn-cuda", action="store_true", help="decode attention through the CUDA C++ kernel (ATTN_CUDA)")
+    ap.add_argument("--attn-triton", action="store_true",
+                    help="attention through the Triton kernels only (ATTN_CUDA off; default: the CUDA C++ decode kernel)")
     args = ap.parse_args()
-    msa_attention.ATTN_CUDA = args.attn_cuda
+    msa_attention.ATTN_CUDA = msa_attention.ATTN_CUDA and not args.attn_triton
     contexts = (32768, 131072, 524288, 1048576)
     points = [(c, b, r) for c in contexts for b in ((1, 8) if args.quick else (1, 8, 32))
               for r in ((1,) if args.quick else (1, 4)) if b * c <= 32 * 1048576]

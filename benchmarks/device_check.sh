@@ -5,7 +5,7 @@
 #   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points + CUDA kernels, MSA grid, traces (~330 s)
 #   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
-#   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with it
+#   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with Triton
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -46,12 +46,12 @@ bench() {
   grep -E '^ +[0-9]' "$OUT/trace_attn1m.txt" | head -6; grep -E '^ +[0-9]' "$OUT/trace_moe1.txt" | head -8
 }
 
-attn() {  # the CUDA C++ attention decode (off by default, ATTN_CUDA) against the Triton one, then the MSA grid with it
+attn() {  # the CUDA C++ attention decode (ATTN_CUDA) against the Triton one, then the MSA grid with Triton attention
   timeout 150 python benchmarks/bench_msa_attention_decode.py --contexts 524288 --batches 1 8 32 --stages 3 \
     --warps 8 --block-n 64 --splits 4 8 16 --cuda > "$OUT/attn_cuda.txt" 2>&1; mark attn
-  timeout 150 python benchmarks/bench_msa.py --quick --no-reference --attn-cuda > "$OUT/msa_attn_cuda.txt" 2>&1
-  mark msa_attn_cuda
-  grep -E '^ +[0-9]' "$OUT/attn_cuda.txt" | head -40; tail -14 "$OUT/msa_attn_cuda.txt"
+  timeout 150 python benchmarks/bench_msa.py --quick --no-reference --attn-triton > "$OUT/msa_attn_triton.txt" 2>&1
+  mark msa_attn_triton
+  grep -E '^ +[0-9]' "$OUT/attn_cuda.txt" | head -40; tail -14 "$OUT/msa_attn_triton.txt"
 }
 
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps) and the CUDA indexer's CTAs per SM, 512K / 1M x 8

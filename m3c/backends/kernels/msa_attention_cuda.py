@@ -77,13 +77,12 @@ def splits(top_k: int, block_size: int, warps: int = WARPS) -> list[int]:
 
 
 def pick_split(tiles: int, top_k: int, block_size: int, device: torch.device) -> int:
-    """The smallest split giving >= 2 CTAs an SM (each CTA is latency-bound: ~1 DRAM round trip and one 64-key
-    step's decode a warp), else the largest."""
+    """The largest listed split with at most one CTA an SM (tiles × split <= SMs), at least 1. H200, one row, top-16
+    of 128-token blocks (RESULTS.md, session 15): 8 splits best at batch 1 and 8 (9.4 / 9.8 µs), 4 at batch 32
+    (16.0 µs; 8: 20.3)."""
     buckets = splits(top_k, block_size)
-    for split in buckets:
-        if tiles * split >= 2 * num_sms(device):
-            return split
-    return buckets[-1]
+    fits = [s for s in buckets if tiles * s <= num_sms(device)]
+    return max(fits) if fits else 1
 
 
 @functools.cache

@@ -174,15 +174,16 @@ def test_supported_and_dispatch(monkeypatch: pytest.MonkeyPatch, rng: torch.Gene
 
 
 def test_splits_keep_every_warp_busy() -> None:
-    """Listed splits give every warp of every CTA at least one 64-key step; the pick fills ~2 CTAs an SM."""
+    """Listed splits give every warp of every CTA at least one 64-key step; the pick keeps one CTA an SM."""
     assert mac.splits(16, 128) == [1, 2, 4, 8] and mac.splits(16, 128, warps=2) == [1, 2, 4, 8, 16]
     assert mac.splits(1, 64) == [1] and mac.splits(5, 64) == [1]
     for top_k, bs in [(16, 128), (8, 64), (32, 256), (3, 128)]:
         for split in mac.splits(top_k, bs):
             assert split * mac.WARPS <= max(top_k * bs // 64, mac.WARPS)
     cpu = torch.device("cpu")  # 132 SMs there
-    assert mac.pick_split(1, 16, 128, cpu) == 8 and mac.pick_split(33, 16, 128, cpu) == 8
-    assert mac.pick_split(66, 16, 128, cpu) == 4 and mac.pick_split(264, 16, 128, cpu) == 1
+    assert mac.pick_split(1, 16, 128, cpu) == 8 and mac.pick_split(16, 16, 128, cpu) == 8
+    assert mac.pick_split(17, 16, 128, cpu) == 4 and mac.pick_split(32, 16, 128, cpu) == 4
+    assert mac.pick_split(66, 16, 128, cpu) == 2 and mac.pick_split(264, 16, 128, cpu) == 1
 
 
 def test_workspace_only_for_splits() -> None:
