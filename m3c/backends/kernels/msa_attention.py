@@ -329,10 +329,10 @@ Q_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ATTN_CUDA = True
 """Decode through the CUDA C++ kernel (:mod:`msa_attention_cuda`) where it runs (CUDA sm_89+, bf16 q, D = 128, KV
 blocks of a multiple of 64 tokens, <= 16 heads a KV group), else the Triton kernel. On the H200 (RESULTS.md,
-session 15) 12.7 µs vs 14.2 at batch 1, 14.7 vs 14.6 at 8, 16.2 vs 23.3 at 32 (one row, top-16 of 128-token
-blocks). :func:`attention_specs` lists its specs when it is on, so set it the same way for an offline compile and
-for the run of its artifact. :func:`msa_sparse_attention_decode` (the Triton kernel with tiling overrides) never
-takes it."""
+session 15, one row, top-16 of 128-token blocks) 9.4 / 9.8 / 16.0 µs at batch 1 / 8 / 32 vs Triton's 13.8 / 14.1 /
+23.1, and 4,096-row prefill chunks ~630 vs ~1,320 µs. :func:`attention_specs` lists its specs when it is on, so
+set it the same way for an offline compile and for the run of its artifact. :func:`msa_sparse_attention_decode`
+(the Triton kernel with tiling overrides) never takes it."""
 
 MAX_SPLIT = 16
 

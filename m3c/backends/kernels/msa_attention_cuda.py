@@ -16,15 +16,18 @@ heads are one m16 MMA tile (rows past HG are zeros, never stored). Per 64-key st
   the (scale A, scale B) pair. Keys past the position read as zeros (the cache may hold NaN).
 - All of a step's K and V loads are issued before its first MMA (LOADFENCE with one step a warp: a never-taken
   branch on the loaded words keeps ptxas from sinking loads past the MMAs, i.e. one DRAM round trip a step).
-The CTA's warps merge exactly through 33 KiB of shared memory (fixed warp order); splits write (O, m, l) and the
-last CTA to arrive merges them (acq_rel fences around one atomic). A row past ``query_start_loc[R]`` (a padded
-batch) outputs zeros. Numerics: P in f16 (the Triton kernel rounds P to bf16), ex2.approx. 164-247 registers, no
-spills (offline sm_90a).
+The CTA's warps merge exactly through 33 KiB of shared memory (fixed warp order). Splits (2..8, sm_90+) form one
+thread-block cluster (``__cluster_dims__``): each CTA keeps its merged (O, m, l) in shared memory, and after a
+cluster barrier CTA s merges heads s, s + SPLIT, ... from all of them through distributed shared memory (fixed
+order), a second barrier keeping every CTA's shared memory alive until then. On sm_89 and above 8 splits the
+splits write (O, m, l) to a workspace and the last CTA to arrive merges them (acq_rel fences around one atomic).
+A row past ``query_start_loc[R]`` (a padded batch) outputs zeros. Numerics: P in f16 (the Triton kernel rounds P
+to bf16), ex2.approx. 164-247 registers, no spills (offline sm_90a).
 
-Measured on the H200 (benchmarks/RESULTS.md, session 15): ~2.5 µs for a CTA's prologue and output, ~4 µs for the
-split merge (fences, atomic, partial round trips), ~3 µs a 64-key step for one warp (its ~3,000 instructions at
-one warp an SM sub-partition) — hence ~13 µs with one step a warp. The first version (one warp a program, merge by
-one warp) took 24-27 µs.
+Measured on the H200 (benchmarks/RESULTS.md, session 15): 9.4 / 9.8 / 16.0 µs at batch 1 / 8 / 32 (Triton's
+kernel 13.8 / 14.1 / 23.1, same run); 4,096-row prefill chunks ~630 µs (Triton ~1,320). Of the 9.4: ~2.5 µs the
+prologue and output, ~6 µs the first 64-key step of a warp (the selection -> block table -> K/V load chain, then
+~3,000 instructions at one warp a scheduler), the rest the cluster merge (the global-memory merge cost ~4 µs).
 """
 
 from __future__ import annotations
