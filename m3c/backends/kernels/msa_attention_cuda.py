@@ -74,7 +74,7 @@ def splits(top_k: int, block_size: int, warps: int = WARPS) -> list[int]:
     while every warp still gets a 64-key step of the top_k blocks."""
     units = top_k * (block_size // 64)
     out = [1]
-    while out[-1] * 2 * warps <= units:
+    while out[-1] * 2 * warps <= units and out[-1] * 2 * 32 <= warps * 16 * (HEAD_DIM + 4):  # the .cu's assert
         out.append(out[-1] * 2)
     return out
 

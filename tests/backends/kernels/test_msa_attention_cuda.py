@@ -177,6 +177,7 @@ def test_splits_keep_every_warp_busy() -> None:
     """Listed splits give every warp of every CTA at least one 64-key step; the pick keeps one CTA an SM."""
     assert mac.splits(16, 128) == [1, 2, 4, 8] and mac.splits(16, 128, warps=2) == [1, 2, 4, 8, 16]
     assert mac.splits(1, 64) == [1] and mac.splits(5, 64) == [1]
+    assert mac.splits(32, 256, warps=1)[-1] == 64  # not 128: the global merge stages SPLIT x 32 floats in 2,112
     for top_k, bs in [(16, 128), (8, 64), (32, 256), (3, 128)]:
         for split in mac.splits(top_k, bs):
             assert split * mac.WARPS <= max(top_k * bs // 64, mac.WARPS)

@@ -43,6 +43,7 @@
 #define KCLUSTER
 #endif
 #define OROW (D + 4)                  // shared O row stride (floats): lane (g, c)'s stores hit 32 distinct banks
+static_assert(SPLIT * 32 <= WARPS * 16 * OROW, "the global merge stages every split's (m, l) in the shared O rows");
 static_assert(BS % 64 == 0, "BS must be a multiple of 64 (64-key steps)");
 static_assert(HG >= 1 && HG <= 16 && H % KVH == 0, "1..16 query heads a KV group");
 static_assert(TOPK <= 32, "a selection row in one warp");
