@@ -30,6 +30,10 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
 5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic).
 Touched experts are found on the device from topk_ids (the CTAs of unused slots exit at once).
 
+:data:`NATURAL` (off until run on a GPU) reads the routed NVFP4 experts in their own layout instead (lane (g, j)
+of a 16-row tile: 16-byte pieces j, j + 4 of rows g, g + 8 per 256-K super-chunk, decoded by ptx_common's decode8,
+the tokens read at the same K; ~7% more SASS instructions in FC1), so only the small shared expert is prepacked.
+
 Prepacked layouts (:func:`prepack_nvfp4`, :func:`prepack_mxfp8`; built once per weight, cached on the tensor):
 rows in tiles of 16 (row 16 t + 8 h + g), lanes 4 g + j. NVFP4: K in super-chunks of 256 = 4 chunks of 64;
 chunk c, lane j covers the scale group q = 4c + j (16 K values) in 4 MMA steps of 4 K (k = 16q + 4s + e); codes
@@ -64,6 +68,11 @@ _ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (1
 WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supported assume it
 MAX_TOKENS = 16  # 1..8 tokens: one 8-column MMA tile (NT = 1); 9..16: two (NT = 2)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
+NATURAL = False
+"""Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``: no prepacked second copy,
+which at M3.1-Flash scale doubles the routed experts' GPU memory, since the prefill kernels read the natural one).
+Written without a GPU (CPU: the lane-level twin, the offline build): off until its GPU tests and a same-run timing
+against the prepacked stream have run (prediction: ~0.6 more SASS instructions a weight, 0-10% slower at T = 1)."""
 _ROWS_PER_CTA = 32 * WARPS
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
@@ -135,13 +144,14 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens)."""
-    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE)
+    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int,
-               decode: int) -> tuple[CudaKernelSpec, ...]:
-    d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode))
+               decode: int, natural: bool = False) -> tuple[CudaKernelSpec, ...]:
+    d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
+         *((("NATURAL", 1),) if natural else ()))
     p, i = "*u8", "i32"
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
@@ -297,7 +307,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     ``topk_ids`` int64 / ``topk_weights`` float32 [T, k] (from :func:`~m3c.backends.kernels.moe_routing.fused_route`
     or ``MoE.route``), ``w13`` NVFP4 [E, 2I, H], ``w2`` NVFP4 [E, H, I], the shared pair MXFP8 ([2S, H], [H, S])
     or both None. Prepacked weights are built on first use and kept on the weight tensors (a second copy: the
-    prefill kernels read the natural layout), so the first call per weight must run outside CUDA-graph capture
+    prefill kernels read the natural layout; with :data:`NATURAL` only the shared expert's), so the first call per
+    weight must run outside CUDA-graph capture
     (:class:`CaptureError` otherwise; the runtime's graphs warm up first). Tokens whose routing produced an id
     outside [0, E) (NaN router logits) come out NaN. ``x16`` f16 [T, H] / ``xmult`` float32 [T]: the tokens already
     staged (:func:`route_stage`): the ``moe_stage_x`` launch is skipped."""
@@ -328,10 +339,11 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
     nt = _nt(t)
     stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not _prepacked(w13, w2, shared_w13, shared_w2):
+    packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not _prepacked(*packed):
         raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "
                            "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
-    c13, c2 = _packed_pair(w13), _packed_pair(w2)
+    c13, c2 = (_natural_pair(w13), _natural_pair(w2)) if NATURAL else (_packed_pair(w13), _packed_pair(w2))
     g13 = nvfp4_row_scales(w13, (e, two_i), "w13")
     g2 = nvfp4_row_scales(w2, (e, hidden), "w2")
     if shared:
@@ -385,6 +397,14 @@ def _prepacked(*weights: Any) -> bool:
         if isinstance(w, MXFP8Tensor) and not ready(w.data, _TAG_CODES):
             return False
     return True
+
+
+def _natural_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An NVFP4 weight's own (codes, scales) as the uint8 buffers the NATURAL kernels read (contiguous: views)."""
+    if not (w.data.is_contiguous() and w.scale.is_contiguous()):
+        raise ShapeError("moe_decode_mma: NATURAL reads the routed experts' codes and scales in place; they must be "
+                         "contiguous")
+    return w.data.view(torch.uint8), w.scale.view(torch.uint8)
 
 
 def _packed_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,14 +108,19 @@ def test_supported_reasons() -> None:
     assert all(sp.shared_bytes <= moe_cuda.SMEM_LIMIT for sp in cuda)
 
 
-def test_kernels_compile_for_sm90a_with_mma_and_prmt() -> None:
-    for spec in moe_cuda.mma_specs(6144, 1536, 1536, "bf16"):
+@pytest.mark.parametrize("natural", [False, True])
+def test_kernels_compile_for_sm90a_with_mma_and_prmt(natural: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(moe_cuda, "NATURAL", natural)
+    specs = moe_cuda.mma_specs(6144, 1536, 1536, "bf16")
+    assert ("NATURAL", 1) in specs[1].defines if natural else all("NATURAL" not in dict(sp.defines) for sp in specs)
+    for spec in specs:
         ck = compile_cuda(spec, "sm_90a")
         assert ck.binary[:4] == b"\x7fELF" and ck.name == spec.kernel
         if spec.kernel == "moe_fc1":
             sass = disassemble(ck.binary)
             assert "HMMA.16816.F32" in sass and "PRMT" in sass and "HMUL2" in sass
             assert "LDG.E.128" in sass or "LDG.E.EF.128" in sass or ".128" in sass
+            assert "STL" not in sass  # no register spills
 
 
 def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str, act: torch.dtype,
@@ -146,6 +151,25 @@ def test_moe_decode_mma_matches_reference(t: int, shared: str, decode: int, monk
     assert torch.isfinite(out).all()
     err = float((out.float() - truth).norm() / truth.norm())
     assert err < 1.5e-2, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_natural_layout_matches_prepacked_without_a_copy(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NATURAL reads the routed experts in place (no prepacked copy is built for them) and agrees with the
+    prepacked stream to float32 rounding (the same products, summed in another order) and with the reference."""
+    moe, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
+    w13, w2, s13, s2 = mm.weights()
+    monkeypatch.setattr(moe_cuda, "NATURAL", True)
+    out = torch.full_like(x, float("nan"))
+    moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2, out=out)
+    assert not getattr(w13.data, "_m3c_derived", {}) and not getattr(w2.data, "_m3c_derived", {})
+    monkeypatch.setattr(moe_cuda, "NATURAL", False)
+    packed = moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2)
+    truth = moe(x.float())
+    assert torch.isfinite(out).all()
+    assert float((out.float() - packed.float()).norm() / packed.float().norm()) < 4e-3  # bf16 outputs
+    assert float((out.float() - truth).norm() / truth.norm()) < 1.5e-2
 
 
 @pytest.mark.gpu

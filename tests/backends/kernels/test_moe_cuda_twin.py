@@ -1,6 +1,6 @@
 """A lane-level Python twin of the CUDA MoE kernels' GEMV (``run_tiles`` in ``cuda/moe_decode_mma.cu``): every
-lane's loads at the kernel's offsets (tile, K split, super-chunk, chunk, lane) from the real prepacked buffers, the
-prmt decodes (both DECODE settings), the mma.m16n8k16 fragment layouts for A, B and C/D, the MXFP8 post-MMA
+lane's loads at the kernel's offsets (tile, K split, super-chunk, chunk, lane) from the real prepacked buffers (or,
+NATURAL, the checkpoint's own NVFP4 layout), the prmt decodes (both DECODE settings, and decode8), the mma.m16n8k16 fragment layouts for A, B and C/D, the MXFP8 post-MMA
 scales — against a dense W · x. The CPU's check of the index arithmetic the GPU tests exercise only as a whole."""
 
 from __future__ import annotations
@@ -57,6 +57,16 @@ def _decode_nvfp4(w: int, sg: float, sg8: float, decode: int) -> list[list[float
     return [[v * s for v in r] for r, s in zip(regs, (sg, sg8, sg, sg8))]
 
 
+def _decode8(w: int) -> list[list[float]]:
+    """ptx_common's decode8: eight E2M1 codes in natural packing -> four f16 pairs (elements 2i, 2i + 1)."""
+    m = w & 0x77777777
+    w4 = (w << 4) & 0xFFFFFFFF
+    oa = _prmt(*F16_LUT, m & 0xFFFF) | (_prmt(w4, w, 0x5140) & 0x80808080)
+    ob = _prmt(*F16_LUT, (m >> 16) & 0xFFFF) | (_prmt(w4, w, 0x7362) & 0x80808080)
+    return [_f16_pair(_prmt(oa, 0, 0x1404)), _f16_pair(_prmt(oa, 0, 0x3424)), _f16_pair(_prmt(ob, 0, 0x1404)),
+            _f16_pair(_prmt(ob, 0, 0x3424))]
+
+
 def _mma(a_frag: list, b_frag: list) -> list[list[float]]:
     """D = A @ B of mma.m16n8k16 from per-lane fragments, returned per lane as (c0, c1, c2, c3)."""
     a, b = np.zeros((16, 16)), np.zeros((16, 8))
@@ -85,11 +95,14 @@ def _twin(fmt: str, experts: int, rows: int, k: int, ks_count: int, t: int, gen:
           decode: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(what run_tiles would store, dense W x) for every expert row and token."""
     x = torch.randn(t, k, generator=gen, dtype=torch.float64).numpy()
-    if fmt == "nvfp4":
+    if fmt in ("nvfp4", "nvfp4_natural"):
         q = quant.nvfp4_quantize(torch.randn(experts * rows, k, generator=gen), None)
         dense = (quant.e2m1_decode(quant.unpack_nibbles(q.data)) * q.scale.float().repeat_interleave(16, -1)).numpy()
-        codes, scales = (v.numpy() for v in moe_cuda.prepack_nvfp4(q.data.reshape(experts, rows, k // 2),
-                                                                   q.scale.reshape(experts, rows, k // 16)))
+        if fmt == "nvfp4":
+            codes, scales = (v.numpy() for v in moe_cuda.prepack_nvfp4(q.data.reshape(experts, rows, k // 2),
+                                                                       q.scale.reshape(experts, rows, k // 16)))
+        else:  # the checkpoint's own layout
+            codes, scales = q.data.reshape(-1).numpy(), q.scale.view(torch.uint8).reshape(-1).numpy()
     else:
         data = torch.randint(0, 256, (experts * rows, k), generator=gen, dtype=torch.int32).to(torch.uint8)
         data[(data & 0x7F) == 0x7F] = 0  # no NaN codes
@@ -125,6 +138,33 @@ def _twin(fmt: str, experts: int, rows: int, k: int, ks_count: int, t: int, gen:
                                     for lane in range(32):
                                         for i in range(4):
                                             acc[tt][lane][i] += d[lane][i]
+                elif fmt == "nvfp4_natural":  # Nvfp4NaturalStream: pieces j, j + 4 of rows g, g + 8
+                    rb, rsb = k // 2, k // 16
+                    for sc_i in range(kc // 256):
+                        for q_i in range(2):
+                            for w in range(4):
+                                for e2 in range(2):
+                                    b = _b_frag(xs, sc_i * 256 + 128 * q_i + 8 * w + 4 * e2, 32, t)
+                                    for tt in range(2):
+                                        a = []
+                                        for lane in range(32):
+                                            g, j = lane >> 2, lane & 3
+                                            regs = []
+                                            for r8 in (0, 8):
+                                                r0 = e * rows + row + 16 * tt + g + r8
+                                                cb = r0 * rb + ks * kc // 2 + 16 * j + sc_i * 128 + 64 * q_i
+                                                sb = r0 * rsb + ks * kc // 16 + 2 * j + sc_i * 16 + 8 * q_i
+                                                sw = int(scales[sb]) | (int(scales[sb + 1]) << 8)
+                                                sg = _e4m3_pair(_prmt(sw, 0, (w >> 1) * 0x11), 0)[0]
+                                                pairs = _decode8(_u32(codes, cb + 4 * w))
+                                                regs.append([[v * sg for v in pairs[2 * e2]],
+                                                             [v * sg for v in pairs[2 * e2 + 1]]])
+                                            (ga, gb), (ha, hb) = regs  # row g / row g + 8: a0, a2 / a1, a3
+                                            a.append([ga, ha, gb, hb])
+                                        d = _mma(a, b)
+                                        for lane in range(32):
+                                            for i in range(4):
+                                                acc[tt][lane][i] += d[lane][i]
                 else:
                     tb, tsb, srow = k * 16, k // 2, k // 32
                     for sc_i in range(kc // 128):
@@ -158,7 +198,8 @@ def _twin(fmt: str, experts: int, rows: int, k: int, ks_count: int, t: int, gen:
 
 
 @pytest.mark.parametrize("fmt,experts,rows,k,ks,t,decode", [
-    ("nvfp4", 2, 32, 512, 2, 5, 0), ("nvfp4", 1, 32, 256, 1, 8, 1), ("mxfp8", 2, 32, 256, 2, 3, 0)])
+    ("nvfp4", 2, 32, 512, 2, 5, 0), ("nvfp4", 1, 32, 256, 1, 8, 1), ("mxfp8", 2, 32, 256, 2, 3, 0),
+    ("nvfp4_natural", 2, 32, 512, 2, 6, 0)])
 def test_run_tiles_twin_matches_dense(fmt: str, experts: int, rows: int, k: int, ks: int, t: int,
                                       decode: int) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))

@@ -3,7 +3,8 @@
 // the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No system headers (only
 // ptx_common.cuh): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (8-token
 // column tiles), ACT_BF16 (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by
-// lookups to E4M3 + cvt).
+// lookups to E4M3 + cvt), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
+// [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine.
 #ifndef WARPS
 #define WARPS 4
@@ -17,7 +18,17 @@
 #ifndef DECODE
 #define DECODE 0
 #endif
+#ifndef NATURAL
+#define NATURAL 0  // 1: the routed NVFP4 experts in the checkpoint's own layout (no prepacked copy)
+#endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
+// FC1 / FC2 launch bounds: NATURAL's decode would take 130 registers at NT 1, i.e. 3 CTAs an SM instead of the
+// prepacked stream's 4, so it asks for 4 (the prepacked kernels keep their measured build)
+#if NATURAL && NT == 1
+#define FC_BOUNDS __launch_bounds__(WARPS * 32, 4)
+#else
+#define FC_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
 #define MAXT (8 * NT)
 
 #include "ptx_common.cuh"
@@ -322,6 +333,63 @@ struct Nvfp4Stream {  // a warp's NVFP4 tiles for one K split: the lane's codes 
   }
 };
 
+// The routed NVFP4 weights in their natural layout: lane (g, j) of a 16-row tile reads 16-byte pieces j and j + 4 of
+// rows g and g + 8 in each 256-K super-chunk (128 bytes a row), i.e. K 32 j .. 32 j + 31 and 128 + 32 j ...; the
+// MMA's K may be visited in any order, so MMA step (piece q, word w, half e) takes the lane's K 32 j + 128 q + 8 w +
+// 4 e .. + 3 from both the weights (decode8's pairs 2e, 2e + 1) and the staged tokens (k_lane = 32 j). Scales: the
+// two E4M3 bytes of a piece's two 16-K groups (a u16 per row and piece).
+struct Nvfp4NaturalStream {
+  const u8* code;   // row g's byte 16 j of this K split
+  const u8* scale;  // row g's scale byte 2 j of this K split
+  long row_bytes, row_sbytes;  // K / 2, K / 16
+  static constexpr int k_lane = 32;
+  __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
+#pragma unroll
+    for (int t = 0; t < ROWT; ++t) {
+      u32 sw[4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const long row = 16 * t + 8 * r;
+          c[t][2 * r + q] = ld_stream4(code + row * row_bytes + (long)sc * 128 + 64 * q);
+          sw[2 * r + q] = *(const u16*)(scale + row * row_sbytes + (long)sc * 16 + 8 * q);
+        }
+      s[t] = make_uint2(sw[0] | (sw[1] << 16), sw[2] | (sw[3] << 16));  // row g: pieces 0, 1 | row g + 8
+    }
+  }
+  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
+                                      const u16* const (&xrow)[NT], float (*acc)[NT][4]) const {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        u32 pg[ROWT][4], pg8[ROWT][4], sg[ROWT], sg8[ROWT];
+#pragma unroll
+        for (int t = 0; t < ROWT; ++t) {
+          const uint4 a = c[t][q], b8 = c[t][2 + q];
+          decode8(w == 0 ? a.x : w == 1 ? a.y : w == 2 ? a.z : a.w, pg[t]);
+          decode8(w == 0 ? b8.x : w == 1 ? b8.y : w == 2 ? b8.z : b8.w, pg8[t]);
+          sg[t] = scale_pair(s[t].x, 2 * q + (w >> 1));   // row g, piece q, 16-K group w / 2
+          sg8[t] = scale_pair(s[t].y, 2 * q + (w >> 1));  // row g + 8
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          u32 b[NT][2];
+          load_b(b, xrow, sc * 256 + 128 * q + 8 * w + 4 * e);
+#pragma unroll
+          for (int t = 0; t < ROWT; ++t) {
+            const u32 a0 = hmul2(pg[t][2 * e], sg[t]), a1 = hmul2(pg8[t][2 * e], sg8[t]);
+            const u32 a2 = hmul2(pg[t][2 * e + 1], sg[t]), a3 = hmul2(pg8[t][2 * e + 1], sg8[t]);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) ::mma(acc[t][nt], a0, a1, a2, a3, b[nt][0], b[nt][1]);
+          }
+        }
+      }
+    }
+  }
+};
+
 // One super-chunk (128 K) of MXFP8 codes ([tile][super-chunk][unit][lane][16 B]) and the E8M0 scales of rows g and
 // g + 8 (natural layout: `scale` points at row g's scales for this K split, `srow` bytes a row).
 __device__ __forceinline__ void load_mxfp8(uint4 (&cw)[ROWT][4], uint2 (&sw)[ROWT], const u8* code, const u8* scale,
@@ -401,6 +469,13 @@ __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int T, flo
 __device__ __forceinline__ void prefetch_first(const Block& b, int rows_total, int K, int Kc, const u8* rcode,
                                                const u8* scode) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#if NATURAL
+  if (b.expert >= 0) {  // the first super-chunk (128 bytes) of each of the warp's 32 rows
+    const long row = (long)b.expert * rows_total + b.row0 + warp * 32 + lane;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rcode + row * (K / 2) + (long)b.ks * Kc / 2));
+    return;
+  }
+#endif
   const long tile = (long)(b.row0 + warp * 32) / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
   const long tb = b.expert >= 0 ? (long)K * 8 : (long)K * 16;
   const u8* c = (b.expert >= 0 ? rcode : scode) + tile * tb + (long)b.ks * Kc * (b.expert >= 0 ? 8 : 16);
@@ -423,7 +498,12 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.f;
   const long tile = (long)row / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
-  if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
+  if (b.expert >= 0 && NATURAL) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
+    const long r0 = (long)b.expert * rows_total + row + g;
+    const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;
+    const u8* s = rscale + r0 * (K / 16) + (long)b.ks * Kc / 16 + 2 * j;
+    gemv(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, T, acc);
+  } else if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
     const long tb = (long)K * 8, tsb = (long)K;
     const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
     const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
@@ -453,7 +533,7 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
 }
 
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p.
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void FC_BOUNDS
 moe_fc1(const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E, int n_slots,
         const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode, const u8* sscale, int srows,
         int H, int KSr, int KSs, float* h, int P, int ROWS, void* scratch0, void* scratch1) {
@@ -475,7 +555,7 @@ moe_fc1(const u16* x16, const float* xmult, int T, const long long* ids, int top
 }
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs).
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void FC_BOUNDS
 moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
         int S, int H, int KSs, int P, int ROWS, float* y, void* scratch0, void* scratch1) {
