@@ -116,7 +116,8 @@ def run_decode(ctx: int, batch: int, max_q_rows: int, modes: tuple[str, ...] = D
         tune |= {"chunk_waves": mi.CHUNK_WAVES, "chunk_max": mi.CHUNK_MAX}
         if deq == "cuda":
             tune = {"cuda_ctas_per_sm": mc.CTAS_PER_SM, "cuda_min_ctas": mc.MIN_CTAS[1], "cuda_warps": mc.WARPS}
-        tune |= {"topk_ch": mi.TOPK_CH[0], "topk_slices": mi.TOPK_SLICES, "topk_warps": mi.TOPK_WARPS}
+        tune |= {"topk_ch": mi.TOPK_CH[0], "topk_slices": mi.TOPK_SLICES, "topk_warps": mi.TOPK_WARPS,
+                 "topk_rank_merge": mi.TOPK_RANK_MERGE}
         row = {"phase": "decode", "context": ctx, "batch": batch, "deq": deq, "max_q_rows": max_q_rows, **tune,
                "us": ms * 1e3, "topk_us": topk_ms * 1e3,
                "floor_us": floor_ms * 1e3, "pct_of_floor": 100 * floor_ms / ms, "sdpa_dense_us": sdpa * 1e3,
@@ -180,6 +181,8 @@ def main() -> None:
     ap.add_argument("--topk-ch", type=int, default=mi.TOPK_CH[0], help="top-k slice width in blocks (a power of 2)")
     ap.add_argument("--topk-slices", type=int, default=mi.TOPK_SLICES, help="most top-k slices a row (a power of 2)")
     ap.add_argument("--topk-warps", type=int, default=mi.TOPK_WARPS, help="top-k warps (0: by the chunk width)")
+    ap.add_argument("--topk-rank-merge", type=int, default=mi.TOPK_RANK_MERGE,
+                    help="merge a row's slices by pairwise ranks up to this many candidates (0: by max-reductions)")
     ap.add_argument("--no-prefill", action="store_true", help="decode points only")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default: 1, or 1 8)")
     ap.add_argument("--contexts", type=int, nargs="+", default=None, help="decode contexts in tokens")
@@ -191,6 +194,7 @@ def main() -> None:
     mi.CHUNK_WAVES, mi.CHUNK_MAX = args.chunk_waves, args.chunk_max
     mc.CTAS_PER_SM, mc.MIN_CTAS[1], mc.WARPS = args.cuda_ctas, args.cuda_min_ctas, args.cuda_warps
     mi.TOPK_CH, mi.TOPK_SLICES, mi.TOPK_WARPS = (args.topk_ch, mi.TOPK_CH[-1]), args.topk_slices, args.topk_warps
+    mi.TOPK_RANK_MERGE = args.topk_rank_merge
     ctxs = args.contexts or ((32768, 1 << 20) if args.quick else (32768, 131072, 524288, 1 << 20))
     batches = args.batches or ((1,) if args.quick else (1, 8))
     rows: list[dict] = []

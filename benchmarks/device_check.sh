@@ -54,11 +54,12 @@ attn() {  # the CUDA C++ attention decode (ATTN_CUDA) against the Triton one, th
   grep -E '^ +[0-9]' "$OUT/attn_cuda.txt" | head -40; tail -14 "$OUT/msa_attn_triton.txt"
 }
 
-sweep() {  # the MSA top-k's launch shape (slice width, slices, warps) and the CUDA indexer's CTAs per SM, 512K / 1M x 8
+sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
-  for cfg in "1024 8 0 6" "256 32 1 6" "128 64 1 6" "256 32 2 6" "1024 8 0 9"; do
+  for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
     set -- $cfg
-    timeout 40 $b --topk-ch $1 --topk-slices $2 --topk-warps $3 --cuda-ctas $4 > "$OUT/idx_topk_$1_$2_$3_$4.txt" 2>&1
+    timeout 40 $b --topk-ch $1 --topk-slices $2 --topk-warps $3 --cuda-ctas $4 --topk-rank-merge $5 \
+      > "$OUT/idx_topk_$1_$2_$3_$4_$5.txt" 2>&1
   done; mark sweep
   for f in "$OUT"/idx_topk_*.txt; do echo "$(basename "$f"):"; grep -E '^ decode' "$f"; done
 }

@@ -181,6 +181,11 @@ TOPK_CH = (1024, 8192)
 """Top-k chunk widths, bucketed over block-table widths (8,192 blocks = 1M tokens at block 128)."""
 TOPK_SLICES = 8
 """Most slices a decode row's top-k is split into (:func:`topk_plan`; a power of two)."""
+TOPK_RANK_MERGE = 0
+"""When > 0, the sliced top-k's merge ranks the NSMAX × KO candidates pairwise in one pass (a [N, N] compare) when
+N is at most this, else (and at 0, the default) it takes them by K - 1 block-wide max-reductions. Off until timed
+on a GPU (written after session 15's device time ran out; offline sm_90a at 8 slices × 16: 172 registers instead
+of 48, no spills; prediction: −0.5–1.5 µs of the ~10 µs top-k at 512K–1M). `device_check.sh sweep` times it."""
 TOPK_WARPS = 0
 """Warps of a top-k program (0: by its chunk width, 4..16). A tuning knob (with TOPK_CH / TOPK_SLICES: e.g. one warp
 over 128-block slices makes every reduction a warp shuffle instead of a shared-memory round trip), read at every
@@ -632,15 +637,25 @@ def _topk_fill(keys, slot, K: tl.constexpr, KO: tl.constexpr, NONE: tl.constexpr
 
 
 @triton.jit
+def _topk_rank_select(keys, slot, K: tl.constexpr, NONE: tl.constexpr):
+    """What :func:`_topk_fill` returns for unique packed keys (NONE aside), in one pairwise pass instead of a chain of
+    K - 1 block-wide reductions: each key's rank is how many keys beat it, and slot s takes the key of rank s."""
+    rank = tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
+    keep = (keys > NONE) & (rank < K - 1)
+    pick = (rank[None, :] == slot[:, None]) & keep[None, :]
+    return tl.max(tl.where(pick, keys[None, :], NONE), axis=1)
+
+
+@triton.jit
 def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cnt_ptr, MB, G: tl.constexpr, BS: tl.constexpr,
                        K: tl.constexpr, KO: tl.constexpr, CH: tl.constexpr, CAUSAL: tl.constexpr,
-                       NSMAX: tl.constexpr):
+                       NSMAX: tl.constexpr, RANK_MERGE: tl.constexpr = False):
     """out[t, g, :K]: own block + top K-1 other blocks of scores[t, g, :] (ties -> smaller), ascending, -1 padded.
 
     CAUSAL: scan only blocks 0..own (kernel 1's scores are -inf past the own block); else all MB blocks.
     Grid (T·G, S), S <= NSMAX slices of a row: each program takes the top K-1 of its slice; with S > 1 each
     writes them to cand [T·G, NSMAX, KO] and the last to finish (cnt [T·G]: zero on entry and exit) merges
-    the S·(K-1) candidates and writes the row.
+    the S·(K-1) candidates and writes the row (RANK_MERGE: by pairwise ranks, one pass; else K - 1 reductions).
     """
     NONE: tl.constexpr = -9223372036854775807  # below every packed key (a finite or +inf score)
     TOP: tl.constexpr = 9223372036854775807
@@ -676,7 +691,10 @@ def topk_blocks_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cnt_ptr, MB, G: t
         if last:
             c = tl.arange(0, NSMAX * KO)
             got = tl.load(cbase + c, mask=(c // KO < n_sl) & (c % KO < K - 1), other=NONE, cache_modifier=".cg")
-            top = _topk_fill(got, slot, K, KO, NONE)
+            if RANK_MERGE:  # the slices' candidates are unique (each block is in one slice)
+                top = _topk_rank_select(got, slot, K, NONE)
+            else:
+                top = _topk_fill(got, slot, K, KO, NONE)
             tl.store(cnt_ptr + pid, 0)
     if last:
         chosen = is_set & (top != NONE)
@@ -748,13 +766,15 @@ def _build_scores_spec(g: int, d: int, block_size: int, q_dtype: str, rows: int,
 
 def _topk_spec(g: int, block_size: int, top_k: int, ch: int) -> KernelSpec:
     """The top-k kernel's spec (reads the TOPK_SLICES / TOPK_WARPS knobs at every call)."""
-    return _build_topk_spec(g, block_size, top_k, ch, TOPK_SLICES, TOPK_WARPS)
+    return _build_topk_spec(g, block_size, top_k, ch, TOPK_SLICES, TOPK_WARPS, TOPK_RANK_MERGE)
 
 
 @functools.cache  # launches ask for the same few specs every step: build (and key) each once
-def _build_topk_spec(g: int, block_size: int, top_k: int, ch: int, slices: int, warps: int) -> KernelSpec:
+def _build_topk_spec(g: int, block_size: int, top_k: int, ch: int, slices: int, warps: int,
+                     rank_merge: int = 0) -> KernelSpec:
     ko = max(2, triton.next_power_of_2(top_k))
-    consts = dict(G=g, BS=block_size, K=top_k, KO=ko, CH=ch, CAUSAL=True, NSMAX=slices)
+    consts = dict(G=g, BS=block_size, K=top_k, KO=ko, CH=ch, CAUSAL=True, NSMAX=slices,
+                  RANK_MERGE=0 < slices * ko <= rank_merge)
     types = {"scores_ptr": "*fp32", "pos_ptr": "*i64", "out_ptr": "*i64", "cand_ptr": "*i64", "cnt_ptr": "*i32",
              "MB": "i32"}
     return KernelSpec("msa_topk_blocks", topk_blocks_kernel, types, consts, warps or max(4, min(16, ch // 512)), 1,

@@ -373,9 +373,12 @@ def test_topk_tuning_knobs(rng: torch.Generator, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(mi, "TOPK_WARPS", 1)
     assert mi.topk_plan(3, 200, 132) == (16, 13)
     spec = mi._topk_spec(1, 8, 4, 16)
-    assert spec.num_warps == 1 and spec.constexprs["NSMAX"] == 16
+    assert spec.num_warps == 1 and spec.constexprs["NSMAX"] == 16 and not spec.constexprs["RANK_MERGE"]
+    monkeypatch.setattr(mi, "TOPK_RANK_MERGE", 64)
+    assert mi._topk_spec(1, 8, 4, 16).constexprs["RANK_MERGE"]  # 16 slices x 4 <= 64
+    assert not mi._topk_spec(1, 8, 16, 16).constexprs["RANK_MERGE"]  # 16 x 16 > 64
     b = _batch([1500, 900, 60], [1, 1, 1], 8, 64, 1, rng, exact=True)
-    _check(b, 8, 4, exact=True)
+    _check(b, 8, 4, exact=True)  # the rank merge (64 candidates) through the launcher
 
 
 @pytest.mark.parametrize("deq", ["f32scale", "groupdot", "fp8", "fma"])
@@ -392,8 +395,9 @@ def test_nan_scale_gives_nan_score_never_selected(deq: str, rng: torch.Generator
 
 
 def _select(scores: torch.Tensor, positions: torch.Tensor, bs: int, top_k: int, ch: int, causal: bool,
-            slices: int = 1) -> torch.Tensor:
-    """Kernel 2 alone over given scores, with chunk width `ch`, each row split into `slices` programs."""
+            slices: int = 1, rank_merge: bool = False) -> torch.Tensor:
+    """Kernel 2 alone over given scores, with chunk width `ch`, each row split into `slices` programs (merged by
+    pairwise ranks with `rank_merge`, else by repeated max-reductions)."""
     mi = _kernels()
     t, g, mb = scores.shape
     ko = max(2, 1 << (top_k - 1).bit_length())
@@ -401,7 +405,7 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, bs: int, top_k: int, 
     cand = torch.full((t * g * mi.TOPK_SLICES * ko,), 12345, dtype=torch.int64)  # poisoned
     cnt = torch.zeros(t * g, dtype=torch.int32)
     mi.topk_blocks_kernel[(t * g, slices)](scores, positions, out, cand, cnt, mb, G=g, BS=bs, K=top_k, KO=ko, CH=ch,
-                                           CAUSAL=causal, NSMAX=mi.TOPK_SLICES)
+                                           CAUSAL=causal, NSMAX=mi.TOPK_SLICES, RANK_MERGE=rank_merge)
     assert not cnt.any()  # the counters are left at zero (CUDA-graph replays)
     return out
 
@@ -433,7 +437,9 @@ def test_topk_special_values_and_many_chunks(top_k: int, rng: torch.Generator) -
     for ch in (16, 64, 512):  # 512 >= mb: the whole row in the first chunk
         assert torch.equal(_select(scores, positions, bs, top_k, ch, causal=False), want)
     for ch, slices in ((16, 3), (64, 8), (512, 2)):  # rows split over programs, merged by the last one
-        assert torch.equal(_select(scores, positions, bs, top_k, ch, causal=False, slices=slices), want)
+        for rank_merge in (False, True):
+            got = _select(scores, positions, bs, top_k, ch, causal=False, slices=slices, rank_merge=rank_merge)
+            assert torch.equal(got, want), (ch, slices, rank_merge)
     future = torch.arange(mb)[None, :] > (positions // bs)[:, None]
     scores = scores.masked_fill(future[:, None, :], float("-inf"))
     want = ops.select_blocks(scores, positions, bs, top_k)
