@@ -57,7 +57,7 @@ import triton
 from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels.host import derived, persistent
 from m3c.backends.triton_aot import Runner, jit_run
-from m3c.errors import M3CError, ShapeError
+from m3c.errors import ConfigError, M3CError, ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 
 SOURCE = "moe_decode_mma.cu"
@@ -312,7 +312,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     (:class:`CaptureError` otherwise; the runtime's graphs warm up first). Tokens whose routing produced an id
     outside [0, E) (NaN router logits) come out NaN. ``x16`` f16 [T, H] / ``xmult`` float32 [T]: the tokens already
     staged (:func:`route_stage`): the ``moe_stage_x`` launch is skipped."""
-    from m3c.backends.kernels.moe_prefill import nvfp4_row_scales
+    from m3c.backends.kernels.moe_prefill import nvfp4_row_scales, weight_args
 
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"moe_decode_mma: x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
@@ -343,7 +343,13 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if x.is_cuda and torch.cuda.is_current_stream_capturing() and not _prepacked(*packed):
         raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "
                            "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
-    c13, c2 = (_natural_pair(w13), _natural_pair(w2)) if NATURAL else (_packed_pair(w13), _packed_pair(w2))
+    if NATURAL:  # read in place: the shapes, dtypes and 16-byte alignment the prefill kernels also need
+        if DECODE:
+            raise ConfigError("moe_cuda: NATURAL decodes the routed experts with decode8 (f16); set DECODE = 0")
+        c13 = weight_args(w13, "nvfp4", (e, two_i, hidden), "moe_decode_mma w13")[:2]
+        c2 = weight_args(w2, "nvfp4", (e, hidden, inter), "moe_decode_mma w2")[:2]
+    else:
+        c13, c2 = _packed_pair(w13), _packed_pair(w2)
     g13 = nvfp4_row_scales(w13, (e, two_i), "w13")
     g2 = nvfp4_row_scales(w2, (e, hidden), "w2")
     if shared:
@@ -397,14 +403,6 @@ def _prepacked(*weights: Any) -> bool:
         if isinstance(w, MXFP8Tensor) and not ready(w.data, _TAG_CODES):
             return False
     return True
-
-
-def _natural_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """An NVFP4 weight's own (codes, scales) as the uint8 buffers the NATURAL kernels read (contiguous: views)."""
-    if not (w.data.is_contiguous() and w.scale.is_contiguous()):
-        raise ShapeError("moe_decode_mma: NATURAL reads the routed experts' codes and scales in place; they must be "
-                         "contiguous")
-    return w.data.view(torch.uint8), w.scale.view(torch.uint8)
 
 
 def _packed_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -691,9 +691,10 @@ def nvfp4_row_scales(w: NVFP4Tensor, lead: tuple[int, ...], who: str) -> torch.T
     return g.to(torch.float32).reshape(*lead, 1).contiguous()
 
 
-def _weight_args(w: Any, fmt: str, shape: tuple[int, ...], who: str) -> tuple[torch.Tensor, torch.Tensor,
+def weight_args(w: Any, fmt: str, shape: tuple[int, ...], who: str) -> tuple[torch.Tensor, torch.Tensor,
                                                                              torch.Tensor | None]:
-    """(data, block scales, per-row tensor scale) pointers of a weight of logical shape `shape` ([..., N, K])."""
+    """(data, block scales, per-row tensor scale) pointers of a weight of logical shape `shape` ([..., N, K]), checked
+    (shapes, dtypes, contiguity, 16-byte alignment); also what the CUDA decode's NATURAL reads in place."""
     *lead, k = shape
     if fmt == "nvfp4":
         want = [((*lead, k // 2), torch.uint8, w.data), ((*lead, k // 16), torch.float8_e4m3fn, w.scale)]
@@ -817,13 +818,13 @@ def _launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         x = x.contiguous() if not x.is_contiguous() else x.clone()
     ids = topk_ids.contiguous() if topk_ids.dtype == torch.int64 else topk_ids.long().contiguous()
     wts = topk_weights.float().contiguous().view(-1)
-    wd, ws, wg = _weight_args(w13, lay.w13_fmt, (e, 2 * i, h), "w13")
-    vd, vs, vg = _weight_args(w2, lay.w13_fmt, (e, h, i), "w2")
+    wd, ws, wg = weight_args(w13, lay.w13_fmt, (e, 2 * i, h), "w13")
+    vd, vs, vg = weight_args(w2, lay.w13_fmt, (e, h, i), "w2")
     has_sh = lay.shared_fmt is not None
     if has_sh:
         s = lay.shared_inter
-        sd, ss, _ = _weight_args(shared_w13, lay.shared_fmt, (2 * s, h), "shared_w13")
-        td, ts, _ = _weight_args(shared_w2, lay.shared_fmt, (h, s), "shared_w2")
+        sd, ss, _ = weight_args(shared_w13, lay.shared_fmt, (2 * s, h), "shared_w13")
+        td, ts, _ = weight_args(shared_w2, lay.shared_fmt, (h, s), "shared_w2")
     else:
         s = 0
         sd = ss = td = ts = wd.view(torch.uint8)

@@ -4,6 +4,8 @@ dependency), and the kernels on the GPU against the reference MoE."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -135,6 +137,51 @@ def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str
     ids, w = moe_route(x, moe.gate.weight, moe.e_score_correction_bias, top_k=top_k,
                        routed_scaling_factor=moe.cfg.routed_scaling_factor, norm_topk_prob=moe.cfg.norm_topk_prob)
     return moe, mm, x, ids, w
+
+
+def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NATURAL: FC1 / FC2 get the routed experts' own codes and scales (no prepacked copy made), the shared expert
+    stays prepacked; misaligned or mis-shaped routed weights and DECODE = 1 are refused before any launch (meta and
+    CPU tensors stand in for the GPU)."""
+    from m3c.errors import ConfigError
+
+    h, inter, e, k, s, t = 512, 256, 8, 2, 256, 3
+    monkeypatch.setattr(moe_cuda, "NATURAL", True)
+
+    def nvfp4(*shape: int, device: str = "meta", offset: int = 0) -> quant.NVFP4Tensor:
+        n = math.prod(shape) // 2
+        data = torch.empty(n + offset, dtype=torch.uint8, device=device)[offset:].view(*shape[:-1], shape[-1] // 2)
+        return quant.NVFP4Tensor(data, torch.empty(*shape[:-1], shape[-1] // 16, dtype=torch.float8_e4m3fn,
+                                                   device=device), torch.empty(shape[0], shape[1], 1, device=device))
+
+    def mxfp8(*shape: int) -> quant.MXFP8Tensor:
+        return quant.MXFP8Tensor(torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta"),
+                                 torch.empty(*shape[:-1], shape[-1] // 32, dtype=torch.uint8, device="meta"))
+
+    w13, w2, s13, s2 = nvfp4(e, 2 * inter, h), nvfp4(e, h, inter), mxfp8(2 * s, h), mxfp8(h, s)
+    x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(t, k, dtype=torch.int64, device="meta")
+    wts = torch.empty(t, k, device="meta")
+    seen: list = []
+    moe_cuda.moe_decode_mma(x, ids, wts, w13, w2, s13, s2, runner=lambda sp, grid, args: seen.append((sp, args)))
+    fc = {sp.kernel: args for sp, args in seen}
+    assert ("NATURAL", 1) in next(sp for sp, _ in seen if sp.kernel == "moe_fc1").defines
+    assert fc["moe_fc1"][7].shape == w13.data.shape and fc["moe_fc1"][8].shape == w13.scale.shape  # rcode, rscale
+    assert fc["moe_fc2"][8].shape == w2.data.shape and fc["moe_fc2"][9].shape == w2.scale.shape
+    assert fc["moe_fc1"][11].dim() == 1  # the shared expert's prepacked codes
+    assert not getattr(w13.data, "_m3c_derived", {}) and not getattr(w2.data, "_m3c_derived", {})
+    cpu = dict(device="cpu")
+    xc, idc, wc = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, k, dtype=torch.int64), torch.zeros(t, k)
+    with pytest.raises(ShapeError, match="16-byte aligned"):
+        moe_cuda.moe_decode_mma(xc, idc, wc, nvfp4(e, 2 * inter, h, offset=1, **cpu), nvfp4(e, h, inter, **cpu),
+                                None, None, runner=lambda *a: None)
+    with pytest.raises(ShapeError, match="w2"):
+        moe_cuda.moe_decode_mma(xc, idc, wc, nvfp4(e, 2 * inter, h, **cpu), nvfp4(e, h, 2 * inter, **cpu),
+                                None, None, runner=lambda *a: None)
+    monkeypatch.setattr(moe_cuda, "DECODE", 1)
+    with pytest.raises(ConfigError, match="DECODE"):
+        moe_cuda.moe_decode_mma(xc, idc, wc, nvfp4(e, 2 * inter, h, **cpu), nvfp4(e, h, inter, **cpu), None, None,
+                                runner=lambda *a: None)
 
 
 @pytest.mark.gpu

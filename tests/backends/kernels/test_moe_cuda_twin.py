@@ -138,9 +138,27 @@ def _twin(fmt: str, experts: int, rows: int, k: int, ks_count: int, t: int, gen:
                                     for lane in range(32):
                                         for i in range(4):
                                             acc[tt][lane][i] += d[lane][i]
-                elif fmt == "nvfp4_natural":  # Nvfp4NaturalStream: pieces j, j + 4 of rows g, g + 8
+                elif fmt == "nvfp4_natural":  # Nvfp4NaturalStream: load() then mma(), as the kernel writes them
                     rb, rsb = k // 2, k // 16
                     for sc_i in range(kc // 256):
+                        # load(): c[t][2r + q] = 16 bytes of row 16t + 8r (+ g), piece q; s[t] = packed u16 scales
+                        lanes = []
+                        for tt in range(2):
+                            per = []
+                            for lane in range(32):
+                                g, j = lane >> 2, lane & 3
+                                code0 = (e * rows + row + g) * rb + ks * kc // 2 + 16 * j
+                                scale0 = (e * rows + row + g) * rsb + ks * kc // 16 + 2 * j
+                                c, sw = [], []
+                                for r in range(2):
+                                    for q_i in range(2):
+                                        rr = 16 * tt + 8 * r
+                                        off = code0 + rr * rb + sc_i * 128 + 64 * q_i
+                                        c.append([_u32(codes, off + 4 * w) for w in range(4)])
+                                        so = scale0 + rr * rsb + sc_i * 16 + 8 * q_i
+                                        sw.append(int(scales[so]) | (int(scales[so + 1]) << 8))
+                                per.append((c, sw[0] | (sw[1] << 16), sw[2] | (sw[3] << 16)))
+                            lanes.append(per)
                         for q_i in range(2):
                             for w in range(4):
                                 for e2 in range(2):
@@ -148,19 +166,14 @@ def _twin(fmt: str, experts: int, rows: int, k: int, ks_count: int, t: int, gen:
                                     for tt in range(2):
                                         a = []
                                         for lane in range(32):
-                                            g, j = lane >> 2, lane & 3
-                                            regs = []
-                                            for r8 in (0, 8):
-                                                r0 = e * rows + row + 16 * tt + g + r8
-                                                cb = r0 * rb + ks * kc // 2 + 16 * j + sc_i * 128 + 64 * q_i
-                                                sb = r0 * rsb + ks * kc // 16 + 2 * j + sc_i * 16 + 8 * q_i
-                                                sw = int(scales[sb]) | (int(scales[sb + 1]) << 8)
-                                                sg = _e4m3_pair(_prmt(sw, 0, (w >> 1) * 0x11), 0)[0]
-                                                pairs = _decode8(_u32(codes, cb + 4 * w))
-                                                regs.append([[v * sg for v in pairs[2 * e2]],
-                                                             [v * sg for v in pairs[2 * e2 + 1]]])
-                                            (ga, gb), (ha, hb) = regs  # row g / row g + 8: a0, a2 / a1, a3
-                                            a.append([ga, ha, gb, hb])
+                                            c, sx, sy = lanes[tt][lane]
+                                            i = 2 * q_i + (w >> 1)  # scale_pair(s.x / s.y, 2q + w / 2)
+                                            sg = _e4m3_pair(_prmt(sx, 0, i | (i << 4)), 0)[0]
+                                            sg8 = _e4m3_pair(_prmt(sy, 0, i | (i << 4)), 0)[0]
+                                            pg, pg8 = _decode8(c[q_i][w]), _decode8(c[2 + q_i][w])
+                                            a.append([[v * sg for v in pg[2 * e2]], [v * sg8 for v in pg8[2 * e2]],
+                                                      [v * sg for v in pg[2 * e2 + 1]],
+                                                      [v * sg8 for v in pg8[2 * e2 + 1]]])
                                         d = _mma(a, b)
                                         for lane in range(32):
                                             for i in range(4):
@@ -199,7 +212,7 @@ def _twin(fmt: str, experts: int, rows: int, k: int, ks_count: int, t: int, gen:
 
 @pytest.mark.parametrize("fmt,experts,rows,k,ks,t,decode", [
     ("nvfp4", 2, 32, 512, 2, 5, 0), ("nvfp4", 1, 32, 256, 1, 8, 1), ("mxfp8", 2, 32, 256, 2, 3, 0),
-    ("nvfp4_natural", 2, 32, 512, 2, 6, 0)])
+    ("nvfp4_natural", 2, 32, 512, 2, 6, 0), ("nvfp4_natural", 2, 64, 1024, 2, 8, 0)])
 def test_run_tiles_twin_matches_dense(fmt: str, experts: int, rows: int, k: int, ks: int, t: int,
                                       decode: int) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))

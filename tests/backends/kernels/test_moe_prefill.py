@@ -432,8 +432,8 @@ def test_per_expert_and_per_tensor_global_scales(rng: torch.Generator) -> None:
     # the per-row expansion is made once per scale tensor version (not at every step) and sees in-place updates
     gs = torch.rand(4, 1, 1, generator=rng) + 0.5
     w = quant.NVFP4Tensor(w13.data, w13.scale, gs)
-    first = mp._weight_args(w, "nvfp4", (4, 64, 128), "w13")[2]
-    assert mp._weight_args(w, "nvfp4", (4, 64, 128), "w13")[2].data_ptr() == first.data_ptr()  # no new copy
+    first = mp.weight_args(w, "nvfp4", (4, 64, 128), "w13")[2]
+    assert mp.weight_args(w, "nvfp4", (4, 64, 128), "w13")[2].data_ptr() == first.data_ptr()  # no new copy
     gs.mul_(2)
-    again = mp._weight_args(w, "nvfp4", (4, 64, 128), "w13")[2]
+    again = mp.weight_args(w, "nvfp4", (4, 64, 128), "w13")[2]
     assert again.data_ptr() != first.data_ptr() and torch.equal(again, 2 * first) and again.shape == (4, 64, 1)
