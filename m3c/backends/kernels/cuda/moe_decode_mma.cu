@@ -33,11 +33,7 @@
 
 #include "ptx_common.cuh"
 
-__device__ __forceinline__ float bf16_round(float v) {
-  u16 b;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
-  return __uint_as_float(((u32)b) << 16);
-}
+__device__ __forceinline__ float bf16_round(float v) { return __uint_as_float(((u32)bf16_bits(v)) << 16); }
 __device__ __forceinline__ float load_act(const void* x, long i) {
 #if ACT_BF16
   return __uint_as_float(((u32)((const u16*)x)[i]) << 16);
@@ -587,9 +583,7 @@ moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KS
     for (int k = 0; k < topk && valid; ++k) s += y[(long)(n * topk + k) * H + c];
     for (int k = 0; k < KSs; ++k) s += y[((long)k * P + T * topk + n) * H + c];
 #if ACT_BF16
-    u16 bits;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(s));
-    ((u16*)out)[(long)n * H + c] = bits;
+    ((u16*)out)[(long)n * H + c] = bf16_bits(s);
 #else
     ((float*)out)[(long)n * H + c] = s;
 #endif

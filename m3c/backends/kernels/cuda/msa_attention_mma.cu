@@ -1,11 +1,11 @@
 // MSA sparse-attention decode for sm_89+: a CTA of WARPS warps per (query row, KV group, split), each warp one or
 // more 64-key steps of the selected blocks; the group's HG <= 16 query heads are the MMA's M (one m16 tile), NVFP4 K
 // and V decoded in registers straight into mma.sync m16n8k16 f16 fragments, online softmax in registers; the CTA's
-// warps merged exactly through shared memory, the splits by the last CTA to arrive. Host side, layouts and numerics:
-// m3c/backends/kernels/msa_attention_cuda.py. No system headers (only ptx_common.cuh).
-// Compile-time settings: H (query heads), KVH (KV heads), BS (KV block size, a multiple of 64), TOPK, SPLIT (CTAs a
-// row and group), WARPS (warps a CTA, <= 4: the merge's shared memory), LOADFENCE (see the step). D = 128 (64 code bytes + 8 E4M3 scale bytes
-// a key and head).
+// warps merged exactly through shared memory, the splits in a thread-block cluster (sm_90, <= 8 splits) or by the
+// last CTA to arrive. Host side, layouts and numerics: m3c/backends/kernels/msa_attention_cuda.py. No system
+// headers (only ptx_common.cuh). Compile-time settings: H (query heads), KVH (KV heads), BS (KV block size, a
+// multiple of 64), TOPK, SPLIT (CTAs a row and group), WARPS (warps a CTA, <= 4: the merge's shared memory),
+// LOADFENCE (see the step). D = 128 (64 code bytes + 8 E4M3 scale bytes a key and head).
 #ifndef H
 #define H 16
 #endif
@@ -76,6 +76,14 @@ __device__ __forceinline__ float ld_cluster(u32 addr) {
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
+#define NEG_INF __uint_as_float(0xFF800000u)
+// A merge's reference max: the parts' max, or 0 where every part is empty (-inf), so that their weights
+// ex2(m - ref) are 0, not NaN.
+__device__ __forceinline__ float merge_ref(float mall) { return mall == NEG_INF ? 0.f : mall; }
+// The merged row's value acc / l as bf16 (0 where l = 0: a row without a visible key).
+__device__ __forceinline__ void store_merged(u16* dst, float acc, float l) {
+  *dst = bf16_bits(acc * (l > 0.f ? 1.f / l : 0.f));
+}
 __device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127 + e) << 23); }  // |e| <= 126
 
 
@@ -104,8 +112,9 @@ __device__ __forceinline__ void v_pairs(uint2 va, uint2 vb, u32 sab, u32 (&out)[
 
 // Attention of one query row t over its KV group kg's selected blocks: warp w of split sp takes the work units
 // (entry u / STEPS, step u % STEPS) for u = sp WARPS + w + WORKERS i. The CTA's warps are merged through shared
-// memory; out[t, kg HG + h, :] for h < HG (SPLIT == 1), else the split's (unnormalized O, m, l) into ws / ml and, in
-// the last split to arrive, the exact merge. Scores in the log2 domain: s = q . k * 2^e(h) * scale * log2(e).
+// memory; out[t, kg HG + h, :] for h < HG (SPLIT == 1), else the split's (unnormalized O, m, l) merged exactly with
+// the others' in the cluster or, through ws / ml, by the last split to arrive. Scores in the log2 domain:
+// s = q . k * 2^e(h) * scale * log2(e).
 extern "C" __global__ void __launch_bounds__(32 * WARPS) KCLUSTER
 msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8* vs, const long long* sel,
                 const long long* pos, const int* qsl, const int* seq, const int* bt, u16* out, float* ws, float* ml,
@@ -161,7 +170,7 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
   float o[16][4];
 #pragma unroll
   for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float mrow[2] = {__uint_as_float(0xFF800000u), __uint_as_float(0xFF800000u)}, lrow[2] = {0.f, 0.f};
+  float mrow[2] = {NEG_INF, NEG_INF}, lrow[2] = {0.f, 0.f};
   const int* bt_row = bt + (long)r * bt_stride;
   const int me = sp * WARPS + wid;
   for (int i = 0; i < PER; ++i) {
@@ -237,13 +246,13 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
         }
       }
       // Mask the keys past `last`, scale, online softmax per row (head g: s[.][0..1], head g + 8: s[.][2..3]).
-      float mx[2] = {__uint_as_float(0xFF800000u), __uint_as_float(0xFF800000u)};
+      float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const long long kp = first + 8 * j + 2 * c + (k & 1);
-          s[j][k] = kp <= last ? s[j][k] * fr[k >> 1] : __uint_as_float(0xFF800000u);
+          s[j][k] = kp <= last ? s[j][k] * fr[k >> 1] : NEG_INF;
           mx[k >> 1] = fmaxf(mx[k >> 1], s[j][k]);
         }
       }
@@ -308,10 +317,10 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
   const long part = (long)tile * SPLIT + sp;
   for (int j = threadIdx.x; j < HG * D; j += 32 * WARPS) {
     const int h = j / D, d = j % D;
-    float mall = __uint_as_float(0xFF800000u);
+    float mall = NEG_INF;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) mall = fmaxf(mall, sml[w][h]);
-    const float mref = mall == __uint_as_float(0xFF800000u) ? 0.f : mall;
+    const float mref = merge_ref(mall);
     float acc = 0.f, l = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) {
@@ -320,10 +329,7 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
       acc += wt * so[w][h * OROW + d + d / 32];
     }
     if (SPLIT == 1) {
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      u16 bits;
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc * inv));
-      out[((long)t * H + kg * HG + h) * D + d] = bits;
+      store_merged(out + ((long)t * H + kg * HG + h) * D + d, acc, l);
     } else if (CLUSTER) {
       cl_o[h * D + d] = acc;
       if (d == 0) cl_ml[h] = mall, cl_ml[16 + h] = l;
@@ -344,7 +350,7 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
     const int h = j / D, d = j % D;
     if (h % SPLIT != sp) continue;
     float mk[SPLIT], lk[SPLIT], ok[SPLIT];
-    float mall = __uint_as_float(0xFF800000u);
+    float mall = NEG_INF;
 #pragma unroll
     for (int k = 0; k < SPLIT; ++k) {
       mk[k] = ld_cluster(cluster_addr(cl_ml + h, k));
@@ -352,7 +358,7 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
       ok[k] = ld_cluster(cluster_addr(cl_o + h * D + d, k));
       mall = fmaxf(mall, mk[k]);
     }
-    const float mref = mall == __uint_as_float(0xFF800000u) ? 0.f : mall;
+    const float mref = merge_ref(mall);
     float acc = 0.f, l = 0.f;
 #pragma unroll
     for (int k = 0; k < SPLIT; ++k) {
@@ -360,10 +366,7 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
       l += wt * lk[k];
       acc += wt * ok[k];
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    u16 bits;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc * inv));
-    out[((long)t * H + kg * HG + h) * D + d] = bits;
+    store_merged(out + ((long)t * H + kg * HG + h) * D + d, acc, l);
   }
   cluster_sync();
   return;
@@ -387,10 +390,10 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
   for (int d = threadIdx.x; d < D; d += 32 * WARPS) {
 #pragma unroll
     for (int h = 0; h < HG; ++h) {
-      float mall = __uint_as_float(0xFF800000u);
+      float mall = NEG_INF;
 #pragma unroll
       for (int k = 0; k < SPLIT; ++k) mall = fmaxf(mall, sm2[k * 32 + h]);
-      const float mref = mall == __uint_as_float(0xFF800000u) ? 0.f : mall;
+      const float mref = merge_ref(mall);
       float acc = 0.f, l = 0.f;
 #pragma unroll
       for (int k = 0; k < SPLIT; ++k) {
@@ -398,10 +401,7 @@ msa_attn_decode(const u16* q, const u8* kd, const u8* ks, const u8* vd, const u8
         l += wt * sm2[k * 32 + 16 + h];
         acc += wt * ld_l2(ws + (((long)tile * SPLIT + k) * 16 + h) * D + d);
       }
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      u16 bits;
-      asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(acc * inv));
-      out[((long)t * H + kg * HG + h) * D + d] = bits;
+      store_merged(out + ((long)t * H + kg * HG + h) * D + d, acc, l);
     }
   }
 }

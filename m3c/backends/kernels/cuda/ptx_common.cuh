@@ -1,5 +1,5 @@
 // Helpers shared by the CUDA C++ kernels of this directory (included by each .cu; no system headers): integer
-// types, streaming loads, byte permutes, f16 / E4M3 conversions, the mma.sync m16n8k16 f16 -> f32 MMA and the
+// types, streaming loads, byte permutes, f16 / E4M3 / bf16 conversions, the mma.sync m16n8k16 f16 -> f32 MMA and the
 // natural-order NVFP4 decode (decode8).
 #pragma once
 
@@ -32,6 +32,11 @@ __device__ __forceinline__ u32 e4m3x2_hi(u32 v) {  // ... in v's high half
   u32 r;
   asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h; }" : "=r"(r) : "r"(v));
   return r;
+}
+__device__ __forceinline__ u16 bf16_bits(float v) {  // round to nearest even
+  u16 b;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+  return b;
 }
 __device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
   u32 r;
