@@ -139,6 +139,21 @@ def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str
     return moe, mm, x, ids, w
 
 
+def nvfp4(*shape: int, device: str = "meta", offset: int = 0) -> quant.NVFP4Tensor:
+    """An uninitialized NVFP4 weight of logical shape [E, N, K] (meta tensors stand in for the GPU: no data); its
+    codes start `offset` bytes into their storage."""
+    n = math.prod(shape) // 2
+    data = torch.empty(n + offset, dtype=torch.uint8, device=device)[offset:].view(*shape[:-1], shape[-1] // 2)
+    return quant.NVFP4Tensor(data, torch.empty(*shape[:-1], shape[-1] // 16, dtype=torch.float8_e4m3fn,
+                                               device=device), torch.empty(shape[0], shape[1], 1, device=device))
+
+
+def mxfp8(*shape: int) -> quant.MXFP8Tensor:
+    """An uninitialized MXFP8 meta weight of logical shape [N, K]."""
+    return quant.MXFP8Tensor(torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta"),
+                             torch.empty(*shape[:-1], shape[-1] // 32, dtype=torch.uint8, device="meta"))
+
+
 def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """NATURAL: FC1 / FC2 get the routed experts' own codes and scales (no prepacked copy made), the shared expert
     stays prepacked; misaligned or mis-shaped routed weights and DECODE = 1 are refused before any launch (meta and
@@ -147,16 +162,6 @@ def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPa
 
     h, inter, e, k, s, t = 512, 256, 8, 2, 256, 3
     monkeypatch.setattr(moe_cuda, "NATURAL", True)
-
-    def nvfp4(*shape: int, device: str = "meta", offset: int = 0) -> quant.NVFP4Tensor:
-        n = math.prod(shape) // 2
-        data = torch.empty(n + offset, dtype=torch.uint8, device=device)[offset:].view(*shape[:-1], shape[-1] // 2)
-        return quant.NVFP4Tensor(data, torch.empty(*shape[:-1], shape[-1] // 16, dtype=torch.float8_e4m3fn,
-                                                   device=device), torch.empty(shape[0], shape[1], 1, device=device))
-
-    def mxfp8(*shape: int) -> quant.MXFP8Tensor:
-        return quant.MXFP8Tensor(torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta"),
-                                 torch.empty(*shape[:-1], shape[-1] // 32, dtype=torch.uint8, device="meta"))
 
     w13, w2, s13, s2 = nvfp4(e, 2 * inter, h), nvfp4(e, h, inter), mxfp8(2 * s, h), mxfp8(h, s)
     x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
@@ -265,17 +270,8 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
     monkeypatch.setattr(mm_mod, "CUDA_ROUTE", cuda_route)
     first = "moe_route_stage" if cuda_route else "moe_stage_x"
 
-    def meta_nvfp4(*shape: int) -> quant.NVFP4Tensor:
-        return quant.NVFP4Tensor(torch.empty(*shape[:-1], shape[-1] // 2, dtype=torch.uint8, device="meta"),
-                                 torch.empty(*shape[:-1], shape[-1] // 16, dtype=torch.float8_e4m3fn, device="meta"),
-                                 torch.empty(shape[0], shape[1], 1, device="meta"))
-
-    def meta_mxfp8(*shape: int) -> quant.MXFP8Tensor:
-        return quant.MXFP8Tensor(torch.empty(*shape, dtype=torch.float8_e4m3fn, device="meta"),
-                                 torch.empty(*shape[:-1], shape[-1] // 32, dtype=torch.uint8, device="meta"))
-
-    w13, w2 = meta_nvfp4(e, 2 * inter, h), meta_nvfp4(e, h, inter)
-    s13, s2 = meta_mxfp8(2 * s, h), meta_mxfp8(h, s)
+    w13, w2 = nvfp4(e, 2 * inter, h), nvfp4(e, h, inter)
+    s13, s2 = mxfp8(2 * s, h), mxfp8(h, s)
     for t in (1, 8, 9, 16):
         seen: list = []
         x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
