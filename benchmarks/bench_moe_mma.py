@@ -77,25 +77,28 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             "route_w_maxrel": float(((new_r[1] - old_r[1]).abs() / old_r[1].abs()).max()),
             "staging_equal": bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3]))}
     rows = []
-    for dec, nat in settings:
-        moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
-        out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
-        row = dict(base, decode=dec, natural=nat, err=float((out.float() - truth).norm() / truth.norm()),
-                   max_vs_triton=float((out.float() - triton_out.float()).abs().max()))
-        row["experts_ms"] = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2))
+    saved = moe_cuda.DECODE, moe_cuda.NATURAL
+    try:
+        for dec, nat in settings:
+            moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
+            out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
+            row = dict(base, decode=dec, natural=nat, err=float((out.float() - truth).norm() / truth.norm()),
+                       max_vs_triton=float((out.float() - triton_out.float()).abs().max()))
+            row["experts_ms"] = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2))
 
-        def whole():
-            lg = F.linear(x.float(), mm.gate_w32)
-            i2, w2_, _ = fused_route(lg, mm.bias, top_k=K, routed_scaling_factor=cfg.routed_scaling_factor,
-                                     norm_topk_prob=cfg.norm_topk_prob)
-            return moe_cuda.moe_decode_mma(x, i2, w2_, w13, w2, s13, s2)
-        row["whole_ms"] = bench_graph(whole)
-        row["kernels_us"] = {k[:40]: v for k, v in list(kernel_times(
-            lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)).items())[:6]}
-        row["bw_fraction"] = floor_ms / row["experts_ms"]
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    moe_cuda.DECODE, moe_cuda.NATURAL = 0, False
+            def whole():
+                lg = F.linear(x.float(), mm.gate_w32)
+                i2, w2_, _ = fused_route(lg, mm.bias, top_k=K, routed_scaling_factor=cfg.routed_scaling_factor,
+                                         norm_topk_prob=cfg.norm_topk_prob)
+                return moe_cuda.moe_decode_mma(x, i2, w2_, w13, w2, s13, s2)
+            row["whole_ms"] = bench_graph(whole)
+            row["kernels_us"] = {k[:40]: v for k, v in list(kernel_times(
+                lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)).items())[:6]}
+            row["bw_fraction"] = floor_ms / row["experts_ms"]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:  # the module settings as they were, whatever happened
+        moe_cuda.DECODE, moe_cuda.NATURAL = saved
     return rows
 
 
