@@ -36,6 +36,18 @@ def random_selection(ctx: int, batch: int, gen: torch.Generator) -> torch.Tensor
     return torch.cat([others, own], dim=1).sort(dim=1).values.view(batch, 1, TOPK)
 
 
+def measure(fn, out: torch.Tensor, ref: torch.Tensor | None, key: dict) -> dict:
+    """Run ``fn`` once (it writes ``out``), then `key` plus its max relative difference to ``ref`` (0 when None: the
+    first tiling is the reference), its device time from the profiler and its CUDA-graph time; printed as JSON."""
+    fn()
+    torch.cuda.synchronize()
+    diff = 0.0 if ref is None else float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
+    times = kernel_times(fn)
+    row = dict(key, graph_us=bench_graph(fn) * 1e3, kernel_us=sum(times.values()), max_rel_diff_vs_first=diff)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def run(ctx: int, batch: int, args: argparse.Namespace) -> list[dict]:
     """Every (split, stages, warps, block_n) tiling asked for at one point."""
     b = make_batch(ctx, batch, 1)
@@ -52,18 +64,9 @@ def run(ctx: int, batch: int, args: argparse.Namespace) -> list[dict]:
                                         b["seq"], b["table"], BS, D**-0.5, split=split,
                                         num_warps=warps, num_stages=stages, block_n=bn, out=out)
 
-        fn()
-        torch.cuda.synchronize()
-        if ref is None:
-            ref = out.float().clone()
-        diff = float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
-        times = kernel_times(fn)
-        row = {"context": ctx, "batch": batch, "kernel": "triton", "split": split, "stages": stages, "warps": warps,
-               "block_n": bn,
-               "graph_us": bench_graph(fn) * 1e3, "kernel_us": sum(times.values()),
-               "max_rel_diff_vs_first": diff}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append(measure(fn, out, ref, {"context": ctx, "batch": batch, "kernel": "triton", "split": split,
+                                           "stages": stages, "warps": warps, "block_n": bn}))
+        ref = out.float().clone() if ref is None else ref
     cuda = [(s, w) for w in args.cuda_warps for s in msa_attention_cuda.splits(TOPK, BS, w)] if args.cuda else []
     for split, cwarps in cuda:  # the CUDA C++ kernel (msa_attention_cuda) at each split and CTA size
         out = torch.full_like(b["q"], float("nan"))
@@ -72,15 +75,8 @@ def run(ctx: int, batch: int, args: argparse.Namespace) -> list[dict]:
             msa_attention_cuda.launch(jit_run, b["q"], b["kd"], b["ks"], b["vd"], b["vs"], sel, b["pos"], b["qsl"],
                                       b["seq"], b["table"], out, BS, D**-0.5, split, cwarps)
 
-        cu()
-        torch.cuda.synchronize()
-        diff = float(((out.float() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")))
-        times = kernel_times(cu)
-        row = {"context": ctx, "batch": batch, "kernel": "cuda", "split": split, "stages": 0, "warps": cwarps,
-               "block_n": 64, "graph_us": bench_graph(cu) * 1e3, "kernel_us": sum(times.values()),
-               "max_rel_diff_vs_first": diff}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append(measure(cu, out, ref, {"context": ctx, "batch": batch, "kernel": "cuda", "split": split,
+                                           "stages": 0, "warps": cwarps, "block_n": 64}))
     return rows
 
 
