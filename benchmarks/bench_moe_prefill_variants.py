@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from _timing import bench, bench_graph, write_results
 
 from m3c.backends.kernels import moe_prefill as mp
+from m3c.backends.kernels import moe_prefill_cuda as pc
 from m3c.model_defs import quant
 
 H, I, E, K, S = 6144, 1536, 64, 8, 1536  # noqa: E741
@@ -43,6 +44,9 @@ VARIANTS = [  # Tiles(bm, bn1, bn2, bk, warps, stages); None = moe_prefill's own
     mp.Tiles(64, 128, 128, 64, 4, 3),
     mp.Tiles(128, 32, 128, 128, 4, 3),
 ]
+
+
+WGMMA_VARIANTS = [(128, 4, 5), (128, 4, 4), (256, 2, 5), (64, 4, 5)]  # moe_prefill_cuda (BT, WGS, STAGES)
 
 
 def nvfp4_stack(n: int, k: int, gen: torch.Generator) -> quant.NVFP4Tensor:
@@ -84,6 +88,8 @@ def grouped_mm_moe(x, ids, wts, w13_t, w2_t, s13, s2, gemms_only: bool = False):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
+    ap.add_argument("--triton-default-only", action="store_true", help="of the Triton tilings, time the default")
+    ap.add_argument("--no-wgmma", action="store_true", help="skip the CUDA C++ wgmma kernels (moe_prefill_cuda)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
@@ -112,7 +118,7 @@ def main() -> None:
         default = mp._tile_options(lay, mp._bucket(lay, t), False)
         row["default_tiles"] = str(default)
         variants = {}
-        for tiles in VARIANTS:
+        for tiles in VARIANTS[:1] if args.triton_default_only else VARIANTS:
             tiles = tiles or default
             name = f"bm{tiles.bm}_bn{tiles.bn1}x{tiles.bn2}_bk{tiles.bk}_w{tiles.warps}_s{tiles.stages}"
             if name in variants:
@@ -132,6 +138,26 @@ def main() -> None:
             variants[name] = {"ms": ms, "graph_ms": bench_graph(run),
                               "rel_vs_default": float((got.float() - ref.float()).norm() / ref.float().norm()),
                               "tflops": flops / ms / 1e9, "speedup_vs_grouped_mm": row["grouped_mm_ms"] / ms}
+            print(t, name, variants[name], flush=True)
+        for bt, wgs, stages in [] if args.no_wgmma else WGMMA_VARIANTS:
+            name = f"wgmma_bt{bt}_wg{wgs}_s{stages}"
+            saved = (pc.BT, pc.WGS, pc.STAGES)
+            pc.BT, pc.WGS, pc.STAGES = bt, wgs, stages
+            out = torch.empty_like(x)
+
+            def run_w(out=out, a=(x, ids, wts, w13, w2, sh13, sh2)):
+                return pc.moe_prefill_wgmma(*a, out=out)
+            try:
+                got = run_w()
+                torch.cuda.synchronize()
+                ms = bench(run_w)
+                variants[name] = {"ms": ms, "graph_ms": bench_graph(run_w),
+                                  "rel_vs_default": float((got.float() - ref.float()).norm() / ref.float().norm()),
+                                  "tflops": flops / ms / 1e9, "speedup_vs_grouped_mm": row["grouped_mm_ms"] / ms}
+            except Exception as e:  # reported, not fatal
+                variants[name] = {"error": str(e)[:300]}
+            finally:
+                pc.BT, pc.WGS, pc.STAGES = saved
             print(t, name, variants[name], flush=True)
         row["variants"] = variants
         best = min((v["ms"], k) for k, v in variants.items() if "ms" in v)

@@ -20,7 +20,8 @@ tests() {
   ($p tests/backends/kernels/test_msa_attention.py tests/backends/kernels/test_msa_attention_cuda.py \
      tests/fused/test_sparse_attention.py tests/runtime tests/frontend \
      > "$OUT/t_attn_runtime.log" 2>&1; echo "rc=$?" >> "$OUT/t_attn_runtime.log") &
-  ($p tests/backends/kernels/test_moe_prefill.py > "$OUT/t_moe_prefill.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_prefill.log") &
+  ($p tests/backends/kernels/test_moe_prefill.py tests/backends/kernels/test_moe_prefill_cuda.py > "$OUT/t_moe_prefill.log" 2>&1
+   echo "rc=$?" >> "$OUT/t_moe_prefill.log") &
   ($p tests/backends/kernels/test_moe_routing.py tests/backends/kernels/test_qkv_fused.py \
      tests/backends/kernels/test_msa_indexer.py tests/backends/kernels/test_msa_indexer_cuda.py \
      > "$OUT/t_route_qkv_indexer.log" 2>&1

@@ -7,9 +7,10 @@ stable top-k, normalized × scaled weights, SwiGLU experts, weighted combine, + 
 Dispatch (by measurement on the H200, benchmarks/RESULTS.md): on a CUDA device, T <= 16 tokens run the CUDA C++
 decode kernels of :mod:`m3c.backends.kernels.moe_cuda` (prepacked NVFP4 decoded by byte permutes straight into
 mma.sync fragments; T = 1: 61 vs 170 µs for the experts) where the layout allows them; otherwise the experts run
-the grouped-GEMM kernels of :mod:`m3c.backends.kernels.moe_prefill` (NVFP4 decoded in the mainloop, the shared
-expert as extra tiles): CUDA-core GEMV tiles for T <= 3, weight-stationary tensor-core tiles to 16, above that
-token tiles.
+grouped GEMMs (NVFP4 decoded in the mainloop, the shared expert as extra tiles): above 16 tokens on sm_90 the
+CUDA C++ wgmma kernels of :mod:`m3c.backends.kernels.moe_prefill_cuda` (:data:`PREFILL_WGMMA`), else the Triton
+kernels of :mod:`m3c.backends.kernels.moe_prefill`: CUDA-core GEMV tiles for T <= 3, weight-stationary
+tensor-core tiles to 16, above that token tiles.
 Routing for T <= 64: on the CUDA decode path (T <= 16; module flag ``CUDA_ROUTE``, on by default) ONE CUDA C++
 launch (:func:`m3c.backends.kernels.moe_cuda.route_stage`: the float32 router GEMV split over ~200 CTAs, the last
 CTA merges in a fixed order and routes, T more CTAs stage the tokens for the expert kernels), so the whole op is 5
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from m3c.backends.cuda_aot import CudaKernelSpec
+from m3c.backends.kernels import moe_prefill_cuda
 from m3c.backends.kernels.host import cuda_kernel_device
 from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
 from m3c.backends.kernels.moe_cuda import (
@@ -50,6 +52,11 @@ from m3c.errors import ShapeError
 from m3c.model_defs import quant
 
 CUDA_ROUTE = True  # the CUDA decode path routes + stages in one launch (route_stage); False: GEMV + fused_route
+PREFILL_WGMMA = True
+"""Batches above the CUDA decode kernels' 16 tokens run the routed experts on the wgmma kernels of
+:mod:`m3c.backends.kernels.moe_prefill_cuda` (sm_90 only, NVFP4 experts, MXFP8 / no shared expert, bf16 tokens)
+where they take the layout; else the Triton grouped GEMM. H200, m3.1-small (benchmarks/RESULTS.md, session 16):
+T = 4096 6.7 vs 9.9 ms, T = 512 1.37 vs 1.75 ms, T = 16384 26.1 vs 36.1 ms (same runs)."""
 
 
 def megamoe_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
@@ -95,6 +102,9 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
             mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt)
             if route_supported(hidden, experts, top_k, act_dtype, tokens) is None:
                 mma.append(route_stage_spec(hidden, experts, act_dtype, nt))
+    if PREFILL_WGMMA and moe_prefill_cuda.supported(hidden, inter, shared_inter, act_dtype, w13_fmt,
+                                                    _prefill_fmt(shared_fmt)) is None:
+        mma += moe_prefill_cuda.specs()
     return route_specs(experts, top_k) + mma + list(moe_prefill_specs(
         hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))
 
@@ -105,6 +115,13 @@ def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
     if x.shape[0] > MMA_MAX_TOKENS or not isinstance(w13, quant.NVFP4Tensor) or cuda_kernel_device(x):
         return False
     return call_support(x, w13, shared_w13, top_k) is None
+
+
+def _wgmma_ok(x: torch.Tensor, w13: Any, shared_w13: Any) -> bool:
+    """Whether the wgmma prefill kernels take this call (:data:`PREFILL_WGMMA`, an sm_90 device, the layout)."""
+    if not PREFILL_WGMMA or not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    return moe_prefill_cuda.call_support(x, w13, shared_w13) is None
 
 
 def _route_ok(x: torch.Tensor, gate_w: Any, top_k: int) -> bool:
@@ -159,8 +176,9 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
                               workspace=workspace)
         if _mma_ok(x, w13, shared_w13, top_k):
             return moe_decode_mma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
-        return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
-                           permutation=(seg.sorted_pairs, seg.offsets))
+        prefill = moe_prefill_cuda.moe_prefill_wgmma if _wgmma_ok(x, w13, shared_w13) else moe_prefill
+        return prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
+                       permutation=(seg.sorted_pairs, seg.offsets))
     ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                              norm_topk_prob=norm_topk_prob)
     weights = weights.to(torch.float32)
@@ -170,4 +188,7 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
         seg = expert_segments(ids, w13.data.shape[0])
         return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                           workspace=workspace)
+    if _wgmma_ok(x, w13, shared_w13):
+        return moe_prefill_cuda.moe_prefill_wgmma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner,
+                                                  out=out)
     return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)

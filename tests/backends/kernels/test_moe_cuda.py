@@ -104,8 +104,10 @@ def test_supported_reasons() -> None:
     from m3c.backends.cuda_aot import CudaKernelSpec
     from m3c.backends.kernels.megamoe import megamoe_specs
 
-    cuda = [sp for sp in megamoe_specs(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
-            if isinstance(sp, CudaKernelSpec)]
+    listed = [sp for sp in megamoe_specs(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
+              if isinstance(sp, CudaKernelSpec)]
+    cuda = [sp for sp in listed if sp.family != "megamoe_prefill_wgmma"]
+    assert len(listed) - len(cuda) == 2  # the wgmma prefill's FC1 and FC2 (H = 7424 is a multiple of 256)
     assert len(cuda) == 6 and all(dict(sp.defines)["NT"] == 1 for sp in cuda)  # 5 expert kernels + routing
     assert all(sp.shared_bytes <= moe_cuda.SMEM_LIMIT for sp in cuda)
 
@@ -243,13 +245,16 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     specs = megamoe_specs(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
     cuda = [s for s in specs if isinstance(s, CudaKernelSpec)]
     names = ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine", "moe_route_stage"]
-    assert [s.kernel for s in cuda] == names * 2  # NT = 1 and 2
-    assert len({s.key() for s in cuda}) == 12
+    assert [s.kernel for s in cuda] == names * 2 + ["moe_pf_fc1", "moe_pf_fc2"]  # NT = 1 and 2, the wgmma prefill
+    assert len({s.key() for s in cuda}) == 14
     got = compile_kernels(cuda[:2])
     assert [k.key for k in got] == [s.key() for s in cuda[:2]] and got[1].shared_bytes == cuda[1].shared_bytes
     assert got[1].arg_types[:3] == ["*u8", "*u8", "i32"]
-    # a layout the CUDA kernels do not take (I not a multiple of 256) lowers to the Triton kernels only
+    # a layout the CUDA decode kernels do not take (I not a multiple of 256) lowers to the Triton decode tiles; the
+    # wgmma prefill takes it (H a multiple of 256, I of 128), not H = 192
     tiny = megamoe_specs(256, 128, 8, 2, 128, "bf16", "nvfp4", "mxfp8")
+    assert [s.kernel for s in tiny if isinstance(s, CudaKernelSpec)] == ["moe_pf_fc1", "moe_pf_fc2"]
+    tiny = megamoe_specs(192, 128, 8, 2, 128, "bf16", "nvfp4", "mxfp8")
     assert tiny and not any(isinstance(s, CudaKernelSpec) for s in tiny)
 
 

@@ -1,0 +1,52 @@
+"""Where the MegaMoE prefill's time goes, kernel by kernel (torch.profiler), at m3.1-small shapes: the wgmma path
+(``moe_prefill_cuda``) and the Triton grouped GEMM, with each GEMM kernel's TFLOP/s. Also the target to run under
+``ncu -k regex:moe_pf_fc1 --launch-count 1`` (``--once``: one call of the wgmma path, no profiler).
+
+Usage (H200): PYTHONPATH=. python benchmarks/profile_moe_prefill.py [--tokens 4096] [--once]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _timing import kernel_times
+from bench_moe_prefill_variants import E, H, I, K, S, nvfp4_stack
+
+from m3c.backends.kernels import moe_prefill as mp
+from m3c.backends.kernels import moe_prefill_cuda as pc
+from m3c.model_defs import quant
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--once", action="store_true", help="one warm call of the wgmma path (for ncu), nothing else")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
+    sh13 = quant.mxfp8_quantize(torch.randn(2 * S, H, device="cuda", generator=gen) / H**0.5)
+    sh2 = quant.mxfp8_quantize(torch.randn(H, S, device="cuda", generator=gen) / S**0.5)
+    t = args.tokens
+    x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
+    ids = torch.rand(t, E, device="cuda", generator=gen).topk(K, dim=1).indices
+    wts = torch.rand(t, K, device="cuda", generator=gen)
+    a = (x, ids, wts, w13, w2, sh13, sh2)
+    if args.once:
+        pc.moe_prefill_wgmma(*a)
+        torch.cuda.synchronize()
+        pc.moe_prefill_wgmma(*a)
+        torch.cuda.synchronize()
+        return
+    fc1_flop = 2 * t * K * H * 2 * I + 2 * t * H * 2 * S
+    fc2_flop = 2 * t * K * I * H + 2 * t * S * H
+    for name, fn in (("wgmma", lambda: pc.moe_prefill_wgmma(*a)), ("triton", lambda: mp.moe_prefill(*a))):
+        print(f"T = {t}, {name}:")
+        for k, us in kernel_times(fn, calls=10).items():
+            flop = fc1_flop if "fc1" in k else fc2_flop if "fc2" in k else 0
+            rate = f"  {flop / us / 1e6:7.1f} TFLOP/s" if flop else ""
+            print(f"  {us:9.1f} us  {k[:70]}{rate}")
+
+
+if __name__ == "__main__":
+    main()

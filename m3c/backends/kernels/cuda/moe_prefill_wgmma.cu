@@ -1,0 +1,442 @@
+// MegaMoE prefill grouped GEMMs for sm_90a (H100 / H200): the routed NVFP4 experts and the MXFP8 shared expert,
+// decoded in registers straight into the A operand of wgmma (bf16, A from registers, B = the tokens from shared
+// memory). Layouts, tiling and numerics: m3c/backends/kernels/moe_prefill_cuda.py. No system headers (only
+// ptx_common.cuh): builds with a bare nvcc (PyPI).
+//
+// A CTA owns ROWS = 64 WGS weight rows (warp w: the 16-row tile w) x BT tokens of one expert (or of the shared
+// expert); its K loop runs in stages of 64 K: the tokens (16-byte cp.async per 8 K of a row, zero-filled past the
+// tile's end), the prepacked codes and scales of the stage go through a STAGES-deep cp.async ring, and each warpgroup
+// issues four m64nBTk16 wgmma per stage, decoding step t + 1's A fragments while step t runs.
+// Launch order: moe_pf_fc1 -> moe_pf_fc2 -> (Triton) combine.
+#ifndef WGS
+#define WGS 4       // warpgroups per CTA (64 weight rows each)
+#endif
+#ifndef BT
+#define BT 128      // tokens per CTA (the MMA's N): 64, 128 or 256
+#endif
+#ifndef STAGES
+#define STAGES 5    // cp.async ring depth (stages of 64 K; prefetch distance STAGES - 2)
+#endif
+#define THREADS (WGS * 128)
+#define ROWS (WGS * 64)
+#define TILES (ROWS / 16)
+#define KST 64
+#define X_BYTES (BT * KST * 2)
+#define W_BYTES (TILES * 1024)  // codes of a stage: NVFP4 512 B a 16-row tile, MXFP8 1 KiB
+#define S_BYTES (TILES * 64)    // scales of a stage: NVFP4 64 B a tile, MXFP8 32 B
+#define STAGE_BYTES (X_BYTES + W_BYTES + S_BYTES)
+#define ACC (BT / 2)
+
+#include "ptx_common.cuh"
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {  // 16 bytes, zeros when !ok
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// cp.async's writes (generic proxy) made visible to wgmma's reads of shared memory (async proxy).
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Wait until at most N wgmma groups are pending; `a` (the A registers of the group that must be done) stays live
+// until here.
+template <int N>
+__device__ __forceinline__ void wg_wait(u32 (&a)[4]) {
+  asm volatile("wgmma.wait_group.sync.aligned %4;" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3]) : "n"(N)
+               : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {  // the compiler keeps the accumulators in place
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor of a K-major B tile without swizzle: core matrices of 8 tokens x 8 K (128
+// contiguous bytes), LBO = the distance between K-adjacent core matrices, SBO = between token-adjacent ones.
+__device__ __forceinline__ unsigned long long smem_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ u32 hmul2_bf16(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+__device__ __forceinline__ u32 f16x2_to_bf16x2(u32 v) {  // exact for E4M3-range values
+  u32 r;
+  asm("{ .reg .b16 lo, hi; .reg .f32 fl, fh; mov.b32 {lo, hi}, %1; cvt.f32.f16 fl, lo; cvt.f32.f16 fh, hi; "
+      "cvt.rn.bf16x2.f32 %0, fh, fl; }"
+      : "=r"(r)
+      : "r"(v));
+  return r;
+}
+// One lane's NVFP4 word of a 16-K step (nibbles: row g at K 2j, 2j + 1, 2j + 8, 2j + 9, then row g + 8) -> the four
+// bf16x2 A registers times the rows' scale pairs: magnitudes by byte lookups (bf16 high and low bytes of 0, .5, 1,
+// 1.5 | 2, 3, 4, 6), the sign bits OR-ed into the high bytes, the bytes paired. Exact (<= 6 significant bits).
+__device__ __forceinline__ void nvfp4_frag(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
+  const u32 m = w & 0x77777777u, m16 = m >> 16, w4 = w << 4;
+  u32 hl = prmt(0x3F3F3F00u, 0x40404040u, m), hh = prmt(0x3F3F3F00u, 0x40404040u, m16);
+  const u32 ll = prmt(0xC0800000u, 0xC0804000u, m), lh = prmt(0xC0800000u, 0xC0804000u, m16);
+  hl |= prmt(w4, w, 0x5140u) & 0x80808080u;
+  hh |= prmt(w4, w, 0x7362u) & 0x80808080u;
+  a[0] = hmul2_bf16(prmt(ll, hl, 0x5140u), sg);   // row g, K 2j, 2j + 1
+  a[2] = hmul2_bf16(prmt(ll, hl, 0x7362u), sg);   // row g, K 2j + 8, 2j + 9
+  a[1] = hmul2_bf16(prmt(lh, hh, 0x5140u), sg8);  // row g + 8
+  a[3] = hmul2_bf16(prmt(lh, hh, 0x7362u), sg8);
+}
+// One lane's MXFP8 bytes of a 16-K step (v.x: row g at K 2j, 2j + 1, 2j + 8, 2j + 9; v.y: row g + 8) -> the four
+// bf16x2 A registers times the rows' E8M0 pairs.
+__device__ __forceinline__ void mxfp8_frag(uint2 v, u32 sg, u32 sg8, u32 (&a)[4]) {
+  a[0] = hmul2_bf16(f16x2_to_bf16x2(e4m3x2_lo(v.x)), sg);
+  a[2] = hmul2_bf16(f16x2_to_bf16x2(e4m3x2_hi(v.x)), sg);
+  a[1] = hmul2_bf16(f16x2_to_bf16x2(e4m3x2_lo(v.y)), sg8);
+  a[3] = hmul2_bf16(f16x2_to_bf16x2(e4m3x2_hi(v.y)), sg8);
+}
+__device__ __forceinline__ u32 e8m0_pair(u32 e) {  // 2^(e - 127) as a bf16 pair (e = 0: the subnormal 2^-127)
+  const u32 b = e == 0u ? 0x0040u : (e == 255u ? 0x7FC0u : e << 7);
+  return b | (b << 16);
+}
+__device__ __forceinline__ float bf16_round(float v) { return __uint_as_float(((u32)bf16_bits(v)) << 16); }
+__device__ __forceinline__ float bf16_float(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+// d[0..32) += A (the warpgroup's 64 rows x 16 K, bf16 registers) . B (16 K x 64 tokens, shared memory).
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], const u32 (&a)[4], unsigned long long desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// d[0..64) += A (the warpgroup's 64 rows x 16 K, bf16 registers) . B (16 K x 128 tokens, shared memory).
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4], unsigned long long desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+// d[0..128) += A (the warpgroup's 64 rows x 16 K, bf16 registers) . B (16 K x 256 tokens, shared memory).
+__device__ __forceinline__ void wgmma_n256(float (&d)[128], const u32 (&a)[4], unsigned long long desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+#if BT == 256
+#define WGMMA wgmma_n256
+#elif BT == 128
+#define WGMMA wgmma_n128
+#else
+#define WGMMA wgmma_n64
+#endif
+
+struct Work {
+  int kind;    // 0: nothing (a spare CTA), 1: shared expert, 2: routed expert
+  int expert;  // routed expert id
+  int p0;      // first row (sorted pair for routed, token for shared)
+  int count;   // rows in this tile (<= BT)
+};
+
+// Tiles 0 .. n_sh - 1: the shared expert's tokens; then each routed expert e owns ceil(count_e / BT) tiles in
+// expert order (offs: the E + 1 expert row offsets of the sorted pairs); CTAs past the last tile get kind 0.
+__device__ Work find_work(const int* offs, int E, int n_sh, int T) {
+  Work w;
+  w.kind = 0;
+  w.expert = -1;
+  w.p0 = 0;
+  w.count = 0;
+  const int bx = blockIdx.x;
+  if (bx < n_sh) {
+    w.kind = 1;
+    w.p0 = bx * BT;
+    w.count = min(BT, T - w.p0);
+    return w;
+  }
+  int r = bx - n_sh, base = 0;
+  for (int e = 0; e < E; ++e) {
+    const int lo = offs[e], hi = offs[e + 1];
+    const int nt = (hi - lo + BT - 1) / BT;
+    if (r < base + nt) {
+      w.kind = 2;
+      w.expert = e;
+      w.p0 = lo + (r - base) * BT;
+      w.count = min(BT, hi - w.p0);
+      return w;
+    }
+    base += nt;
+  }
+  return w;
+}
+
+// acc[0 .. ACC) = (this warpgroup's 64 rows of W) . (the tile's tokens)^T over K. `src` + xoff[n] is token n's row
+// (xoff[n] < 0: a row past the tile, read as zeros); `code` / `scale` point at the CTA's first 16-row tile of the
+// prepacked weights (stage 0); tiles lie K / 64 stages apart.
+template <bool MX>
+__device__ __forceinline__ void mainloop(u8* smem, const u16* src, const long long* xoff, const u8* code,
+                                         const u8* scale, int K, float (&acc)[ACC]) {
+  constexpr int CB = MX ? 1024 : 512;  // code bytes of a tile-stage
+  constexpr int SB = MX ? 32 : 64;     // scale bytes of a tile-stage
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+  const int nst = K / KST;
+  const long tstride = (long)nst * CB, sstride = (long)nst * SB;
+  const u32 base = smem_u32(smem);
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+
+  // This thread's copies, the same in every stage (only the K offset moves): 16-byte token chunks i = tid + THREADS q
+  // (token n = (i / 2) % BT, 8-K chunk 2m + i % 2 with m = i / (2 BT): two neighbouring lanes read the two halves of one
+  // 32-byte sector in one instruction), code chunk(s), one scale chunk.
+  constexpr int XN = (BT * 8 + THREADS - 1) / THREADS, CN = CB / 512;
+  const u8* xsrc[XN];
+  u32 xdst[XN];
+  int xok[XN];  // 0: no copy, 1: zero-fill (a row past the tile), 2: copy
+#pragma unroll
+  for (int q = 0; q < XN; ++q) {
+    const int i = tid + q * THREADS, n = (i / 2) % BT, kc = 2 * (i / (2 * BT)) + (i & 1);
+    const long long o = i < BT * 8 ? xoff[n] : -1;
+    xsrc[q] = (const u8*)(src + (o < 0 ? 0 : o) + 8 * kc);
+    xdst[q] = (kc * (BT / 8) + n / 8) * 128 + (n % 8) * 16;
+    xok[q] = i >= BT * 8 ? 0 : o >= 0 ? 2 : 1;
+  }
+  const u8* csrc[CN];
+  u32 cdst[CN];
+#pragma unroll
+  for (int q = 0; q < CN; ++q) {
+    const int i = tid + q * THREADS, t = i / (CB / 16), c = i % (CB / 16);
+    csrc[q] = code + t * tstride + c * 16;
+    cdst[q] = X_BYTES + t * CB + c * 16;
+  }
+  const bool sok = tid < TILES * (SB / 16);
+  const u8* ssrc = scale + (tid / (SB / 16)) * sstride + (tid % (SB / 16)) * 16;
+  const u32 sdst = X_BYTES + W_BYTES + (tid / (SB / 16)) * SB + (tid % (SB / 16)) * 16;
+
+  auto issue = [&](int s) {
+    if (s < nst) {
+      const u32 b = base + (s % STAGES) * STAGE_BYTES;
+#pragma unroll
+      for (int q = 0; q < XN; ++q)
+        if (xok[q]) cp16(b + xdst[q], xsrc[q] + s * (KST * 2), xok[q] == 2);
+#pragma unroll
+      for (int q = 0; q < CN; ++q) cp16(b + cdst[q], csrc[q] + (long)s * CB, true);
+      if (sok) cp16(b + sdst, ssrc + (long)s * SB, true);
+    }
+    cp_commit();  // (an empty group past the end keeps the wait counts uniform)
+  };
+
+  // Prefetch distance STAGES - 2: stage s refills the buffer of stage s - 2, whose MMAs are complete (each step
+  // waits for the one before it), so a warpgroup's last MMA of a stage stays in flight across the barrier.
+#pragma unroll 1
+  for (int s = 0; s < STAGES - 2; ++s) issue(s);
+  u32 a[2][4];
+#pragma unroll 1
+  for (int s = 0; s < nst; ++s) {
+    cp_wait<STAGES - 3>();
+    fence_async_smem();
+    __syncthreads();  // stage s landed for every thread; every warpgroup is past stage s - 2's MMAs
+    issue(s + STAGES - 2);
+    const int buf = s % STAGES;
+    const u32 xb = base + buf * STAGE_BYTES;
+    const u8* wb = smem + buf * STAGE_BYTES + X_BYTES + warp * CB;
+    const u8* sb = smem + buf * STAGE_BYTES + X_BYTES + W_BYTES + warp * SB;
+    if (!MX) {
+      const uint4 cw = *(const uint4*)(wb + lane * 16);
+      const u32 sw = *(const u32*)(sb + g * 4), sw8 = *(const u32*)(sb + (g + 8) * 4);
+      u32 bs = 0u, bs8 = 0u;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        if ((t & 1) == 0) {  // the bf16 scales of steps t, t + 1 (rows g, g + 8)
+          bs = f16x2_to_bf16x2(t == 0 ? e4m3x2_lo(sw) : e4m3x2_hi(sw));
+          bs8 = f16x2_to_bf16x2(t == 0 ? e4m3x2_lo(sw8) : e4m3x2_hi(sw8));
+        }
+        const u32 sel = (t & 1) ? 0x3232u : 0x1010u;
+        nvfp4_frag(t == 0 ? cw.x : t == 1 ? cw.y : t == 2 ? cw.z : cw.w, prmt(bs, 0u, sel), prmt(bs8, 0u, sel),
+                   a[t & 1]);
+        wg_fence();
+        WGMMA(acc, a[t & 1], smem_desc(xb + t * BT * 32, BT * 16, 128));
+        wg_commit();
+        wg_wait<1>(a[(t + 1) & 1]);  // the step before done (this stage's or the last one's): its A may be rewritten
+      }
+    } else {
+      const uint4 c0 = *(const uint4*)(wb + lane * 32), c1 = *(const uint4*)(wb + lane * 32 + 16);
+      const u32 e0 = sb[2 * g], e1 = sb[2 * g + 1], e80 = sb[2 * (g + 8)], e81 = sb[2 * (g + 8) + 1];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const uint2 v = t == 0 ? make_uint2(c0.x, c0.y) : t == 1 ? make_uint2(c0.z, c0.w)
+                      : t == 2 ? make_uint2(c1.x, c1.y) : make_uint2(c1.z, c1.w);
+        mxfp8_frag(v, e8m0_pair(t < 2 ? e0 : e1), e8m0_pair(t < 2 ? e80 : e81), a[t & 1]);
+        wg_fence();
+        WGMMA(acc, a[t & 1], smem_desc(xb + t * BT * 32, BT * 16, 128));
+        wg_commit();
+        wg_wait<1>(a[(t + 1) & 1]);
+      }
+    }
+  }
+  wg_wait<0>(a[1]);
+  fence_regs(acc);
+  cp_wait<0>();
+}
+
+// act[p, n] = SiLU(gate) * up (bf16, rounded as the reference's bf16 model) for the tile's rows p and intermediate
+// columns n: the CTA's 16-row tiles interleave 8 gate rows and the 8 up rows of the same columns, so a lane holds
+// gate (row g) and up (row g + 8) of column n = 8 (tile) + g for its tokens 8 i + 2 c + u.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+moe_pf_fc1(const u16* x, const int* order, const int* offs, const u8* rcode, const u8* rscale, const float* rrow,
+           const u8* scode, const u8* sscale, u16* act, u16* sact, int T, int n_sh, int H, int I, int S, int E,
+           int topk, void* scratch0, void* scratch1) {
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ long long xoff[BT];
+  const Work w = find_work(offs, E, n_sh, T);
+  const int rb = blockIdx.y, N = w.kind == 1 ? S : I;
+  if (w.kind == 0 || (rb + 1) * ROWS > 2 * N) return;
+  for (int n = threadIdx.x; n < BT; n += THREADS) {
+    long long o = -1;
+    if (n < w.count) o = (long long)(w.kind == 1 ? w.p0 + n : order[w.p0 + n] / topk) * H;
+    xoff[n] = o;
+  }
+  __syncthreads();
+  float acc[ACC];
+  const long tile0 = (long)rb * TILES;
+  if (w.kind == 2) {
+    const long t = (long)w.expert * (2 * I / 16) + tile0;
+    mainloop<false>(smem, x, xoff, rcode + t * (H / KST) * 512, rscale + t * (H / KST) * 64, H, acc);
+  } else {
+    mainloop<true>(smem, x, xoff, scode + tile0 * (H / KST) * 1024, sscale + tile0 * (H / KST) * 32, H, acc);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int n = (rb * TILES + warp) * 8 + g;
+  float fg = 1.f, fu = 1.f;
+  if (w.kind == 2) {
+    fg = rrow[(long)w.expert * 2 * I + n];
+    fu = rrow[(long)w.expert * 2 * I + I + n];
+  }
+  u16* out = w.kind == 2 ? act : sact;
+#pragma unroll
+  for (int i = 0; i < BT / 8; ++i) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int col = 8 * i + 2 * c + u;
+      if (col < w.count) {
+        const float gv = bf16_round(acc[4 * i + u] * fg), uv = bf16_round(acc[4 * i + 2 + u] * fu);
+        const float v = bf16_round(bf16_round(gv / (1.f + __expf(-gv))) * uv);
+        out[(long)(w.p0 + col) * N + n] = bf16_bits(v);
+      }
+    }
+  }
+}
+
+// y[token * slots + slot, h] = (act[p] . W2[e, h]) * rrow[e, h] * wts[pair] for the tile's sorted pairs p (pair =
+// order[p] = token * topk + slot); shared tiles: y[token * slots + topk, h] = sact[token] . Ws2[h].
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+moe_pf_fc2(const u16* act, const u16* sact, const int* order, const float* wts, const int* offs, const u8* rcode,
+           const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, u16* y, int T, int n_sh, int H,
+           int I, int S, int E, int topk, int slots, void* scratch0, void* scratch1) {
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ long long xoff[BT];
+  __shared__ long long yrow[BT];
+  __shared__ float ywt[BT];
+  const Work w = find_work(offs, E, n_sh, T);
+  const int rb = blockIdx.y, K = w.kind == 1 ? S : I;
+  if (w.kind == 0 || (rb + 1) * ROWS > H) return;
+  for (int n = threadIdx.x; n < BT; n += THREADS) {
+    long long o = -1, yr = 0;
+    float wt = 0.f;
+    if (n < w.count) {
+      o = (long long)(w.p0 + n) * K;
+      if (w.kind == 2) {
+        const int pair = order[w.p0 + n];
+        yr = (long long)(pair / topk) * slots + pair % topk;
+        wt = wts[pair];
+      } else {
+        yr = (long long)(w.p0 + n) * slots + topk;
+        wt = 1.f;
+      }
+    }
+    xoff[n] = o;
+    yrow[n] = yr;
+    ywt[n] = wt;
+  }
+  __syncthreads();
+  float acc[ACC];
+  const long tile0 = (long)rb * TILES;
+  if (w.kind == 2) {
+    const long t = (long)w.expert * (H / 16) + tile0;
+    mainloop<false>(smem, act, xoff, rcode + t * (I / KST) * 512, rscale + t * (I / KST) * 64, I, acc);
+  } else {
+    mainloop<true>(smem, sact, xoff, scode + tile0 * (S / KST) * 1024, sscale + tile0 * (S / KST) * 32, S, acc);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  const int h = rb * ROWS + warp * 16 + g;
+  float f = 1.f, f8 = 1.f;
+  if (w.kind == 2) {
+    f = rrow[(long)w.expert * H + h];
+    f8 = rrow[(long)w.expert * H + h + 8];
+  }
+#pragma unroll
+  for (int i = 0; i < BT / 8; ++i) {
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int col = 8 * i + 2 * c + u;
+      if (col < w.count) {
+        const long long r = yrow[col] * H;
+        const float wt = ywt[col];
+        y[r + h] = bf16_bits(acc[4 * i + u] * f * wt);
+        y[r + h + 8] = bf16_bits(acc[4 * i + 2 + u] * f8 * wt);
+      }
+    }
+  }
+}

@@ -1,0 +1,238 @@
+"""MegaMoE prefill grouped GEMMs on Hopper's wgmma, from CUDA C++ (``cuda/moe_prefill_wgmma.cu``).
+
+Why: the Triton grouped GEMM (:mod:`m3c.backends.kernels.moe_prefill`) ran at 0.58x bf16 ``torch._grouped_mm`` at
+T >= 4096 on the H200: Triton decodes the NVFP4 weights in a blocked layout and moves them through shared memory
+(and gathers the tokens element by element) before each wgmma — ~725 SASS instructions a thread per 64 x 128 K
+step, 33 barriers (offline sm_90a). Here each lane decodes its own bytes of a prepacked layout straight into
+wgmma's A registers (bf16, A from registers: ~3 instructions a weight, amortized over 128 tokens), and the tokens
+are wgmma's B, copied to shared memory by 16-byte ``cp.async`` (gathered rows, zero-filled past a tile's end).
+
+Tiling: a CTA = 4 warpgroups x 64 weight rows (256 rows) x 128 tokens of one expert (or of the shared expert:
+tiles 0 .. ceil(T / 128) - 1 of the same launches), K in stages of 64 through a 4-deep ring (132 KiB of shared
+memory); a warpgroup issues 4 ``wgmma.m64n128k16`` a stage and decodes step t + 1 while step t runs. The grid is
+(token tiles, row blocks) with the token tiles fastest, so the tiles of one expert run side by side and read its
+weights from L2. Experts without tokens own no tile. Same four steps as the Triton path: FC1 (+ SiLU·up in the
+epilogue) -> act [T·k, I] in sorted pair order, FC2 (x routing weight) -> y [T, k (+1), H], the deterministic
+combine (Triton's ``moe_combine_kernel``).
+
+Prepacked layouts (:func:`pack_nvfp4`, :func:`pack_mxfp8`; built once per weight and kept on it, a second copy):
+rows in tiles of 16, K in stages of 64 = 4 wgmma steps of 16; lane (g, j) = 4 g + j holds, per step, rows g and
+g + 8 at K 2j, 2j + 1, 2j + 8, 2j + 9 (its A fragment). NVFP4: codes ``[tile][stage][lane][step]`` u32 words of
+the code bytes (row g, byte j), (g, j + 4), (g + 8, j), (g + 8, j + 4) of the step; scales ``[tile][stage][16
+rows][4 steps]``. MXFP8: codes ``[tile][stage][lane][step][row g: 4 | row g + 8: 4]`` bytes; scales
+``[tile][stage][16 rows][2]``. FC1's W13 (and the shared expert's) rows are interleaved in blocks of 8 columns
+(:func:`gate_up_rows`: 8 gate rows, then the 8 up rows of the same columns), so a lane holds the gate (row g) and
+the up value (row g + 8) of one intermediate column. Numerics: weights exact in bf16 (value x E4M3 scale <= 6
+significant bits; MXFP8 x E8M0 exact), float32 accumulation, the per-row NVFP4 tensor scale on the accumulator;
+act rounded as the reference's bf16 model (gate, up, SiLU(gate) and the product).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+import triton
+
+from m3c.backends.cuda_aot import CudaKernelSpec
+from m3c.backends.kernels import moe_prefill as mp
+from m3c.backends.kernels.host import derived
+from m3c.backends.kernels.moe_cuda import CaptureError
+from m3c.backends.kernels.moe_routing import expert_permutation
+from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
+from m3c.errors import ConfigError, ShapeError
+from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
+
+SOURCE = "moe_prefill_wgmma.cu"
+WGS = 4  # warpgroups a CTA (64 weight rows each)
+BT = 128  # tokens a CTA (wgmma N: 64, 128 or 256)
+STAGES = 5  # cp.async ring depth (stages of 64 K; prefetch distance STAGES - 2)
+KST = 64
+ROW_ALIGN = 256  # H and 2I (2S) must be multiples of the largest CTA row count (4 warpgroups)
+_TAG = "wgmma prefill"
+
+
+def _smem(bt: int, wgs: int, stages: int) -> int:
+    """Dynamic shared memory of the kernels: per stage the tokens (bt x 64 bf16), codes and scales of 4 wgs tiles."""
+    return stages * (bt * KST * 2 + 4 * wgs * 1024 + 4 * wgs * 64)
+
+
+def supported(hidden: int, inter: int, shared_inter: int, act_dtype: str, w13_fmt: str,
+              shared_fmt: str | None) -> str | None:
+    """None if the wgmma prefill kernels take this layout, else the reason (the Triton grouped GEMM then runs)."""
+    if w13_fmt != "nvfp4":
+        return f"routed experts are {w13_fmt}: the wgmma prefill takes NVFP4"
+    if shared_fmt not in (None, "none", "mxfp8"):
+        return f"shared expert is {shared_fmt}: the wgmma prefill takes MXFP8 or none"
+    if act_dtype != "bf16":
+        return f"activations are {act_dtype}: the wgmma prefill takes bf16"
+    if hidden % ROW_ALIGN or inter % (ROW_ALIGN // 2):
+        return f"H = {hidden}, I = {inter}: H must be a multiple of {ROW_ALIGN} and I of {ROW_ALIGN // 2}"
+    if shared_fmt == "mxfp8" and shared_inter % (ROW_ALIGN // 2):
+        return f"shared I = {shared_inter}: must be a multiple of {ROW_ALIGN // 2}"
+    return None
+
+
+def specs() -> tuple[CudaKernelSpec, CudaKernelSpec]:
+    """(FC1, FC2) CudaKernelSpecs of the current build settings (WGS, BT, STAGES; one build serves every layout:
+    the sizes are runtime arguments)."""
+    if BT not in (64, 128, 256) or WGS not in (1, 2, 4) or not 3 <= STAGES <= 8:
+        raise ConfigError(f"moe_prefill_cuda: BT {BT} (64 / 128 / 256), WGS {WGS} (1, 2, 4), STAGES {STAGES} (3..8)")
+    if _smem(BT, WGS, STAGES) > 227 * 1024 - 4096:
+        raise ConfigError(f"moe_prefill_cuda: {STAGES} stages of BT {BT}, WGS {WGS} need "
+                          f"{_smem(BT, WGS, STAGES)} bytes of shared memory, more than an H200 CTA has")
+    return _specs(BT, WGS, STAGES)
+
+
+@functools.cache
+def _specs(bt: int, wgs: int, stages: int) -> tuple[CudaKernelSpec, CudaKernelSpec]:
+    d = (("WGS", wgs), ("BT", bt), ("STAGES", stages))
+    smem = _smem(bt, wgs, stages)
+
+    def spec(kernel: str, args: str) -> CudaKernelSpec:
+        types = tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())
+        return CudaKernelSpec("megamoe_prefill_wgmma", SOURCE, kernel, types, d, 4 * wgs, smem)
+
+    return (spec("moe_pf_fc1", "*x *order *offs *rcode *rscale *rrow *scode *sscale *act *sact T n_sh H I S E topk"),
+            spec("moe_pf_fc2", "*act *sact *order *wts *offs *rcode *rscale *rrow *scode *sscale *y T n_sh H I S E "
+                 "topk slots"))
+
+
+def gate_up_rows(inter: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Row order of a [2I, ...] gate-then-up weight for FC1: blocks of 8 columns, 8 gate rows then their 8 up rows."""
+    b = torch.arange(inter // 8, device=device)[:, None, None] * 8
+    return (b + torch.arange(2, device=device)[None, :, None] * inter + torch.arange(8, device=device)).reshape(-1)
+
+
+def pack_nvfp4(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) uint8 in the kernels' NVFP4 layout (module docstring) from packed codes [..., R, K/2] and
+    E4M3 scales [..., R, K/16] (rows R·lead a multiple of 16, K of 64)."""
+    rows = math.prod(data.shape[:-1])
+    k = data.shape[-1] * 2
+    if rows % 16 or k % KST or tuple(scale.shape[:-1]) != tuple(data.shape[:-1]) or scale.shape[-1] * 16 != k:
+        raise ShapeError(f"pack_nvfp4: codes {tuple(data.shape)} / scales {tuple(scale.shape)} must be [..., R, K/2] "
+                         f"/ [..., R, K/16] with R % 16 == 0 and K % {KST} == 0")
+    d = data.reshape(rows // 16, 2, 8, k // KST, 4, 2, 4).view(torch.uint8)  # tile, h, g, stage, step, half, j
+    codes = d.permute(0, 3, 2, 6, 4, 1, 5).contiguous()  # tile, stage, g, j, step, h, half
+    s = scale.view(torch.uint8).reshape(rows // 16, 16, k // KST, 4).permute(0, 2, 1, 3).contiguous()
+    return codes.reshape(-1), s.reshape(-1)
+
+
+def pack_mxfp8(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) uint8 in the kernels' MXFP8 layout (module docstring) from E4M3 codes [R, K] and E8M0 scales
+    [R, K/32] (R a multiple of 16, K of 64)."""
+    rows, k = math.prod(data.shape[:-1]), data.shape[-1]
+    if rows % 16 or k % KST or tuple(scale.shape[:-1]) != tuple(data.shape[:-1]) or scale.shape[-1] * 32 != k:
+        raise ShapeError(f"pack_mxfp8: codes {tuple(data.shape)} / scales {tuple(scale.shape)} must be [R, K] / "
+                         f"[R, K/32] with R % 16 == 0 and K % {KST} == 0")
+    d = data.view(torch.uint8).reshape(rows // 16, 2, 8, k // KST, 4, 2, 4, 2)  # tile, h, g, stage, step, half, j, e
+    codes = d.permute(0, 3, 2, 6, 4, 1, 5, 7).contiguous()  # tile, stage, g, j, step, h, half, e
+    s = scale.view(torch.uint8).reshape(rows // 16, 16, k // KST, 2).permute(0, 2, 1, 3).contiguous()
+    return codes.reshape(-1), s.reshape(-1)
+
+
+def _gate_up(t: torch.Tensor, inter: int) -> torch.Tensor:
+    """t [..., 2I, C] with its rows in :func:`gate_up_rows` order."""
+    return t.index_select(-2, gate_up_rows(inter, t.device))
+
+
+def _packed(w: Any, fc1: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' (codes, scales) of a routed NVFP4 or shared MXFP8 weight, built once per version of its codes
+    (FC1 weights with the gate / up rows interleaved)."""
+    def make() -> torch.Tensor:
+        data, scale = w.data, w.scale
+        if fc1:
+            inter = data.shape[-2] // 2
+            data, scale = _gate_up(data.view(torch.uint8), inter), _gate_up(scale.view(torch.uint8), inter)
+        packed = pack_nvfp4(data, scale) if isinstance(w, NVFP4Tensor) else pack_mxfp8(data, scale)
+        return torch.cat(packed)
+
+    both = derived(w.data, f"{_TAG} {'fc1' if fc1 else 'fc2'}", make)
+    n_scale = w.scale.numel()
+    return both[:-n_scale], both[-n_scale:]
+
+
+def call_support(x: torch.Tensor, w13: Any, shared_w13: Any) -> str | None:
+    """:func:`supported` for the tensors of one call."""
+    fmt = "nvfp4" if isinstance(w13, NVFP4Tensor) else type(w13).__name__
+    sfmt = None if shared_w13 is None else "mxfp8" if isinstance(shared_w13, MXFP8Tensor) else type(shared_w13).__name__
+    act = "bf16" if x.dtype == torch.bfloat16 else str(x.dtype)
+    if fmt != "nvfp4":
+        return supported(0, 0, 0, act, fmt, sfmt)
+    s = shared_w13.shape[0] // 2 if shared_w13 is not None else 0
+    return supported(x.shape[1], w13.shape[1] // 2, s, act, fmt, sfmt)
+
+
+def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: NVFP4Tensor,
+                      w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
+                      out: torch.Tensor | None = None,
+                      permutation: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`m3c.backends.kernels.moe_prefill.moe_prefill` (same arguments and result) on the wgmma kernels: routed
+    NVFP4 experts + MXFP8 (or no) shared expert, bf16 tokens. The prepacked weights are built at the first call per
+    weight (outside CUDA-graph capture)."""
+    lay = mp._layout(x, topk_ids, topk_weights, w13, w2, shared_w13, shared_w2)
+    why = supported(lay.hidden, lay.inter, lay.shared_inter, lay.act_dtype, lay.w13_fmt, lay.shared_fmt)
+    if why:
+        raise ShapeError(f"moe_prefill_wgmma: {why}")
+    t, h = x.shape
+    k, e, i, s = lay.top_k, lay.experts, lay.inter, lay.shared_inter
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (t, h) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ShapeError(f"out must be a contiguous {x.dtype} [{t}, {h}] tensor, got {out.dtype} {tuple(out.shape)}")
+    if t == 0:
+        return out
+    x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
+    ids = topk_ids.to(torch.int64).contiguous()
+    wts = topk_weights.float().contiguous().view(-1)
+    p = t * k
+    order, offs = permutation if permutation is not None else expert_permutation(ids, e)
+    if order.dtype != torch.int32 or tuple(order.shape) != (p,) or offs.dtype != torch.int32 \
+            or tuple(offs.shape) != (e + 1,):
+        raise ShapeError(f"permutation must be (int32 [{p}] pair order, int32 [{e + 1}] expert offsets), got "
+                         f"{order.dtype} {tuple(order.shape)}, {offs.dtype} {tuple(offs.shape)}")
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not all(
+            _TAG in " ".join(getattr(w.data, "_m3c_derived", {})) for w in (w13, w2, shared_w13, shared_w2)
+            if w is not None):
+        raise CaptureError("moe_prefill_wgmma: the prepacked weights are built at the first call, which must run "
+                           "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
+    mp.weight_args(w13, "nvfp4", (e, 2 * i, h), "w13")  # shape / dtype checks
+    mp.weight_args(w2, "nvfp4", (e, h, i), "w2")
+    c13, s13 = _packed(w13, True)
+    c2, s2 = _packed(w2, False)
+    g13 = mp.nvfp4_row_scales(w13, (e, 2 * i), "w13")
+    g2 = mp.nvfp4_row_scales(w2, (e, h), "w2")
+    has_sh = s > 0
+    if has_sh:
+        mp.weight_args(shared_w13, "mxfp8", (2 * s, h), "shared_w13")
+        mp.weight_args(shared_w2, "mxfp8", (h, s), "shared_w2")
+        sc13, ss13 = _packed(shared_w13, True)
+        sc2, ss2 = _packed(shared_w2, False)
+    else:
+        sc13 = ss13 = sc2 = ss2 = c13
+    fc1, fc2 = specs()
+    bt, rows = BT, 64 * WGS
+    slots = k + int(has_sh)
+    n_sh = triton.cdiv(t, bt) if has_sh else 0
+    m_tiles = n_sh + min(triton.cdiv(p, bt) + e, p)
+    act = torch.empty((p, i), dtype=x.dtype, device=x.device)
+    sact = torch.empty((t, s), dtype=x.dtype, device=x.device) if has_sh else act
+    y = torch.empty((t, slots, h), dtype=x.dtype, device=x.device)
+    if mp.POISON_WORKSPACES:
+        for buf in (act, sact, y):
+            buf.fill_(float("nan"))
+    runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows),
+           [x, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k])
+    runner(fc2, (m_tiles, h // rows),
+           [act, sact, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots])
+    comb = combine_spec(lay)
+    tiles = mp._tile_options(lay, "large", False)
+    runner(comb, (triton.cdiv(t, tiles.bt), h // tiles.bh), (y, ids, out, t))
+    return out
+
+
+def combine_spec(lay: mp.Layout) -> KernelSpec:
+    """The deterministic combine (moe_prefill's Triton kernel) for this layout."""
+    return mp._specs(lay, mp._tile_options(lay, "large", False), upcast=False)[2]

@@ -1,0 +1,243 @@
+"""A lane-level Python twin of the wgmma MoE prefill (``cuda/moe_prefill_wgmma.cu``): the work-tile search, every
+cp.async's source and shared-memory offset for the tokens, the K-major core-matrix reads that the B descriptor
+(LBO = 16 BT, SBO = 128) describes, each lane's prepacked words and scales decoded by the kernel's prmt / bf16
+steps into its A fragment, the accumulator layout and both epilogues — run against the dense MoE. The CPU's check
+of the index arithmetic; the GPU tests run the kernels themselves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_moe_cuda_twin import E4M3, _prmt, _u32
+
+from m3c.backends.kernels import moe_prefill_cuda as pc
+from m3c.backends.kernels.moe_routing import expert_permutation
+from m3c.errors import ShapeError
+from m3c.model_defs import quant
+
+
+def _bf16(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16).float())
+
+
+def _bf16_pair(r: int) -> tuple[float, float]:
+    lo = np.array([(r & 0xFFFF) << 16], np.uint32).view(np.float32)[0]
+    hi = np.array([(r >> 16) << 16], np.uint32).view(np.float32)[0]
+    return float(lo), float(hi)
+
+
+def _nvfp4_frag(w: int, sg: float, sg8: float) -> list[tuple[float, float]]:
+    """The kernel's nvfp4_frag: the A registers (row g K 2j..; row g + 8; row g K 2j + 8..; row g + 8) as pairs."""
+    m = w & 0x77777777
+    m16 = m >> 16
+    w4 = (w << 4) & 0xFFFFFFFF
+    hl = _prmt(0x3F3F3F00, 0x40404040, m & 0xFFFF) | (_prmt(w4, w, 0x5140) & 0x80808080)
+    hh = _prmt(0x3F3F3F00, 0x40404040, m16) | (_prmt(w4, w, 0x7362) & 0x80808080)
+    ll, lh = _prmt(0xC0800000, 0xC0804000, m & 0xFFFF), _prmt(0xC0800000, 0xC0804000, m16)
+    regs = [_prmt(ll, hl, 0x5140), _prmt(lh, hh, 0x5140), _prmt(ll, hl, 0x7362), _prmt(lh, hh, 0x7362)]
+    return [tuple(v * s for v in _bf16_pair(r)) for r, s in zip(regs, (sg, sg8, sg, sg8))]
+
+
+def _mx_frag(v: tuple[int, int], sg: float, sg8: float) -> list[tuple[float, float]]:
+    """mxfp8_frag: v = (row g word, row g + 8 word) of E4M3 bytes at K 2j, 2j + 1, 2j + 8, 2j + 9."""
+    def pair(wd: int, half: int) -> tuple[float, float]:
+        return float(E4M3[(wd >> (16 * half)) & 0xFF]), float(E4M3[(wd >> (16 * half + 8)) & 0xFF])
+    regs = [pair(v[0], 0), pair(v[1], 0), pair(v[0], 1), pair(v[1], 1)]
+    return [tuple(x * s for x in r) for r, s in zip(regs, (sg, sg8, sg, sg8))]
+
+
+def _find_work(offs: list[int], e: int, n_sh: int, t: int, bx: int, bt: int) -> tuple[int, int, int, int]:
+    if bx < n_sh:
+        return 1, -1, bx * bt, min(bt, t - bx * bt)
+    r, base = bx - n_sh, 0
+    for ex in range(e):
+        nt = (offs[ex + 1] - offs[ex] + bt - 1) // bt
+        if r < base + nt:
+            p0 = offs[ex] + (r - base) * bt
+            return 2, ex, p0, min(bt, offs[ex + 1] - p0)
+        base += nt
+    return 0, -1, 0, 0
+
+
+def _mainloop(src: np.ndarray, xoff: list[int], codes: np.ndarray, scales: np.ndarray, tile0: int, k: int,
+              mx: bool, bt: int, wgs: int) -> np.ndarray:
+    """acc [64 wgs, bt] of one CTA, as the kernel's stages and steps compute it (float64 sums)."""
+    cb, sb = (1024, 32) if mx else (512, 64)
+    nst = k // 64
+    acc = np.zeros((64 * wgs, bt))
+    for s in range(nst):
+        smem = np.zeros(bt * 64, np.float64)  # the stage's token tile, indexed in bf16 elements
+        for i in range(bt * 8):  # issue(): token n's 8-K chunk kc
+            n, kc = (i // 2) % bt, 2 * (i // (2 * bt)) + i % 2
+            d = (kc * (bt // 8) + n // 8) * 128 + (n % 8) * 16
+            smem[d // 2:][:8] = src[xoff[n] + s * 64 + 8 * kc:][:8] if xoff[n] >= 0 else np.zeros(8)
+        for step in range(4):  # the descriptor's reads: core matrix (K chunk kc, token group) at kc LBO + ng SBO
+            b = np.zeros((16, bt))
+            for kk in range(16):
+                for n in range(bt):
+                    b[kk, n] = smem[(step * bt * 32 + (kk // 8) * bt * 16 + (n // 8) * 128 + (n % 8) * 16
+                                     + (kk % 8) * 2) // 2]
+            a = np.zeros((64 * wgs, 16))
+            for warp in range(4 * wgs):
+                tile = tile0 + warp
+                for lane in range(32):
+                    g, j = lane >> 2, lane & 3
+                    cbase = (tile * nst + s) * cb + (lane * 32 if mx else lane * 16)
+                    sbase = (tile * nst + s) * sb
+                    if mx:
+                        frag = _mx_frag((_u32(codes, cbase + 8 * step), _u32(codes, cbase + 8 * step + 4)),
+                                        2.0 ** (int(scales[sbase + 2 * g + step // 2]) - 127),
+                                        2.0 ** (int(scales[sbase + 2 * (g + 8) + step // 2]) - 127))
+                    else:
+                        frag = _nvfp4_frag(_u32(codes, cbase + 4 * step), float(E4M3[scales[sbase + 4 * g + step]]),
+                                           float(E4M3[scales[sbase + 4 * (g + 8) + step]]))
+                    r0 = warp * 16
+                    (a[r0 + g, 2 * j], a[r0 + g, 2 * j + 1]), (a[r0 + g + 8, 2 * j], a[r0 + g + 8, 2 * j + 1]) = \
+                        frag[0], frag[1]
+                    (a[r0 + g, 2 * j + 8], a[r0 + g, 2 * j + 9]) = frag[2]
+                    (a[r0 + g + 8, 2 * j + 8], a[r0 + g + 8, 2 * j + 9]) = frag[3]
+            acc += a @ b
+    return acc
+
+
+def _twin(x, ids, wts, w13, w2, s13, s2, bt: int, wgs: int) -> np.ndarray:
+    """What the two kernels and the combine produce (float64, bf16 rounding where the kernels round)."""
+    t, h = x.shape
+    e, k = w13.data.shape[0], ids.shape[1]
+    inter, s = w13.data.shape[1] // 2, s13.data.shape[0] // 2
+    rows = 64 * wgs
+    order, offs = expert_permutation(ids, e)
+    order, offs = order.tolist(), offs.tolist()
+    c13, sc13 = (v.numpy() for v in pc._packed(w13, True))
+    c2, sc2 = (v.numpy() for v in pc._packed(w2, False))
+    m13, ms13 = (v.numpy() for v in pc._packed(s13, True))
+    m2, ms2 = (v.numpy() for v in pc._packed(s2, False))
+    g13, g2 = w13.global_scale.reshape(e, -1).numpy(), w2.global_scale.reshape(e, -1).numpy()
+    xs = x.float().numpy().reshape(-1)
+    p = t * k
+    n_sh = -(-t // bt)
+    m_tiles = n_sh + min(-(-p // bt) + e, p)
+    act = np.full((p, inter), np.nan)
+    sact = np.full((t, s), np.nan)
+    slots = k + 1
+    y = np.full((t, slots, h), np.nan)
+    for bx in range(m_tiles):
+        kind, ex, p0, count = _find_work(offs, e, n_sh, t, bx, bt)
+        for rb in range(max(2 * inter, 2 * s) // rows):
+            n_cols = s if kind == 1 else inter
+            if kind == 0 or (rb + 1) * rows > 2 * n_cols:
+                continue
+            xoff = [((p0 + n) if kind == 1 else order[p0 + n] // k) * h if n < count else -1 for n in range(bt)]
+            if kind == 2:
+                acc = _mainloop(xs, xoff, c13, sc13, ex * (2 * inter // 16) + rb * rows // 16, h, False, bt, wgs)
+            else:
+                acc = _mainloop(xs, xoff, m13, ms13, rb * rows // 16, h, True, bt, wgs)
+            for warp in range(4 * wgs):
+                for g in range(8):
+                    n = (rb * rows // 16 + warp) * 8 + g
+                    fg, fu = (g13[ex, n], g13[ex, inter + n]) if kind == 2 else (1.0, 1.0)
+                    for col in range(count):
+                        gv = _bf16(acc[warp * 16 + g, col] * fg)
+                        uv = _bf16(acc[warp * 16 + g + 8, col] * fu)
+                        v = _bf16(_bf16(gv / (1 + np.exp(-gv))) * uv)
+                        (act if kind == 2 else sact)[p0 + col, n] = v
+    acts = act.reshape(-1)
+    sacts = sact.reshape(-1)
+    for bx in range(m_tiles):
+        kind, ex, p0, count = _find_work(offs, e, n_sh, t, bx, bt)
+        kdim = s if kind == 1 else inter
+        for rb in range(h // rows):
+            if kind == 0:
+                continue
+            xoff = [(p0 + n) * kdim if n < count else -1 for n in range(bt)]
+            if kind == 2:
+                acc = _mainloop(acts, xoff, c2, sc2, ex * (h // 16) + rb * rows // 16, inter, False, bt, wgs)
+            else:
+                acc = _mainloop(sacts, xoff, m2, ms2, rb * rows // 16, s, True, bt, wgs)
+            for col in range(count):
+                if kind == 2:
+                    pair = order[p0 + col]
+                    tok, slot, wt = pair // k, pair % k, float(wts.reshape(-1)[pair])
+                else:
+                    tok, slot, wt = p0 + col, k, 1.0
+                for r in range(rows):
+                    hh = rb * rows + r
+                    f = g2[ex, hh] if kind == 2 else 1.0
+                    y[tok, slot, hh] = _bf16(acc[r, col] * f * wt)
+    return y.sum(axis=1)
+
+
+def _dense(x, ids, wts, w13, w2, s13, s2) -> np.ndarray:
+    """The MoE in float64 from dequantized weights, rounding as the bf16 model (act, each slot's output)."""
+    w13d = quant.nvfp4_dequantize(w13, torch.float64).numpy()
+    w2d = quant.nvfp4_dequantize(w2, torch.float64).numpy()
+    sw13 = quant.mxfp8_dequantize(s13, torch.float64).numpy()
+    sw2 = quant.mxfp8_dequantize(s2, torch.float64).numpy()
+    xs = x.double().numpy()
+    inter, s = w13d.shape[1] // 2, sw13.shape[0] // 2
+
+    def swiglu(v: np.ndarray, w1: np.ndarray, w2_: np.ndarray, half: int) -> np.ndarray:
+        gu = w1 @ v
+        return w2_ @ (gu[:half] / (1 + np.exp(-gu[:half])) * gu[half:])
+
+    out = np.zeros_like(xs)
+    for tok in range(xs.shape[0]):
+        out[tok] = swiglu(xs[tok], sw13, sw2, s)
+        for j in range(ids.shape[1]):
+            ex = int(ids[tok, j])
+            out[tok] += float(wts[tok, j]) * swiglu(xs[tok], w13d[ex], w2d[ex], inter)
+    return out
+
+
+def _weights(e: int, h: int, inter: int, s: int, gen: torch.Generator):
+    def nv(n: int, kk: int) -> quant.NVFP4Tensor:
+        parts = [quant.nvfp4_quantize(w, w.abs().amax(-1, keepdim=True) / (6 * 448))
+                 for w in (torch.randn(n, kk, generator=gen) / kk ** 0.5 for _ in range(e))]
+        return quant.NVFP4Tensor(torch.stack([q.data for q in parts]), torch.stack([q.scale for q in parts]),
+                                 torch.stack([q.global_scale for q in parts]))
+
+    def mx(n: int, kk: int) -> quant.MXFP8Tensor:
+        return quant.mxfp8_quantize(torch.randn(n, kk, generator=gen) / kk ** 0.5)
+
+    return nv(2 * inter, h), nv(h, inter), mx(2 * s, h), mx(h, s)
+
+
+@pytest.mark.parametrize("bt, wgs", [(16, 1), (8, 2)])
+def test_twin_matches_dense_moe(bt: int, wgs: int) -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    e, h, k = 3, 128 * wgs, 2
+    inter = s = 64 * wgs  # FC1: two row blocks of 64 wgs rows; FC2: K of one 64-K stage
+    t = bt + 5  # a full and a partial shared tile; routed tiles of several sizes
+    w13, w2, s13, s2 = _weights(e, h, inter, s, gen)
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=gen)
+    got = _twin(x, ids, wts, w13, w2, s13, s2, bt, wgs)
+    want = _dense(x, ids, wts, w13, w2, s13, s2)
+    assert np.isfinite(got).all()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 1e-2, rel
+
+
+def test_gate_up_rows_interleaves_blocks_of_eight() -> None:
+    r = pc.gate_up_rows(16).tolist()
+    assert r[:16] == list(range(8)) + list(range(16, 24))
+    assert r[16:] == list(range(8, 16)) + list(range(24, 32))
+    assert sorted(r) == list(range(32))
+
+
+def test_pack_rejects_bad_shapes() -> None:
+    with pytest.raises(ShapeError, match="R % 16"):
+        pc.pack_nvfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 4, dtype=torch.uint8))
+    with pytest.raises(ShapeError, match="K % 64"):
+        pc.pack_mxfp8(torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8))
+
+
+def test_supported_names_what_it_cannot_take() -> None:
+    assert pc.supported(6144, 1536, 1536, "bf16", "nvfp4", "mxfp8") is None
+    assert pc.supported(6144, 1536, 0, "bf16", "nvfp4", None) is None
+    assert "NVFP4" in pc.supported(6144, 1536, 1536, "bf16", "mxfp8", "mxfp8")
+    assert "bf16" in pc.supported(6144, 1536, 1536, "fp32", "nvfp4", "mxfp8")
+    assert "multiple" in pc.supported(6000, 1536, 1536, "bf16", "nvfp4", "mxfp8")
+    assert "shared I" in pc.supported(6144, 1536, 100, "bf16", "nvfp4", "mxfp8")
