@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
     ap.add_argument("--triton-default-only", action="store_true", help="of the Triton tilings, time the default")
     ap.add_argument("--no-wgmma", action="store_true", help="skip the CUDA C++ wgmma kernels (moe_prefill_cuda)")
+    ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES",
+                    help="wgmma builds to time (default: WGMMA_VARIANTS)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
@@ -139,7 +141,9 @@ def main() -> None:
                               "rel_vs_default": float((got.float() - ref.float()).norm() / ref.float().norm()),
                               "tflops": flops / ms / 1e9, "speedup_vs_grouped_mm": row["grouped_mm_ms"] / ms}
             print(t, name, variants[name], flush=True)
-        for bt, wgs, stages in [] if args.no_wgmma else WGMMA_VARIANTS:
+        builds = [tuple(int(v) for v in b.split(",")) for b in args.wgmma_builds] if args.wgmma_builds else \
+            WGMMA_VARIANTS
+        for bt, wgs, stages in [] if args.no_wgmma else builds:
             name = f"wgmma_bt{bt}_wg{wgs}_s{stages}"
             saved = (pc.BT, pc.WGS, pc.STAGES)
             pc.BT, pc.WGS, pc.STAGES = bt, wgs, stages

@@ -340,7 +340,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     nt = _nt(t)
     stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt)
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not _prepacked(*packed):
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not is_prepacked(*packed):
         raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "
                            "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
     if NATURAL:  # read in place: the shapes, dtypes and 16-byte alignment the prefill kernels also need
@@ -349,7 +349,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         c13 = weight_args(w13, "nvfp4", (e, two_i, hidden), "moe_decode_mma w13")[:2]
         c2 = weight_args(w2, "nvfp4", (e, hidden, inter), "moe_decode_mma w2")[:2]
     else:
-        c13, c2 = _packed_pair(w13), _packed_pair(w2)
+        c13, c2 = packed_pair(w13), packed_pair(w2)
     g13 = nvfp4_row_scales(w13, (e, two_i), "w13")
     g2 = nvfp4_row_scales(w2, (e, hidden), "w2")
     if shared:
@@ -392,7 +392,7 @@ class CaptureError(M3CError, RuntimeError):
     """A launch that must build state first (prepacked weights) was called inside CUDA-graph capture."""
 
 
-def _prepacked(*weights: Any) -> bool:
+def is_prepacked(*weights: Any) -> bool:
     """Whether every weight's prepacked copy is already built (and current)."""
     def ready(t: torch.Tensor, tag: str) -> bool:
         return getattr(t, "_m3c_derived", {}).get(tag, (None,))[0] == t._version
@@ -405,8 +405,9 @@ def _prepacked(*weights: Any) -> bool:
     return True
 
 
-def _packed_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prepacked (codes, scales) of an NVFP4 weight, built once per version of its codes and of its scales."""
+def packed_pair(w: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prepacked (codes, scales) of an NVFP4 weight, built once per version of its codes and of its scales (the
+    one copy the decode kernels here and the wgmma prefill of :mod:`m3c.backends.kernels.moe_prefill_cuda` read)."""
     both: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def make(i: int) -> torch.Tensor:

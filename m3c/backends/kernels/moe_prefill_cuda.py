@@ -15,16 +15,17 @@ weights from L2. Experts without tokens own no tile. Same four steps as the Trit
 epilogue) -> act [T·k, I] in sorted pair order, FC2 (x routing weight) -> y [T, k (+1), H], the deterministic
 combine (Triton's ``moe_combine_kernel``).
 
-Prepacked layouts (:func:`pack_nvfp4`, :func:`pack_mxfp8`; built once per weight and kept on it, a second copy):
-rows in tiles of 16, K in stages of 64 = 4 wgmma steps of 16; lane (g, j) = 4 g + j holds, per step, rows g and
-g + 8 at K 2j, 2j + 1, 2j + 8, 2j + 9 (its A fragment). NVFP4: codes ``[tile][stage][lane][step]`` u32 words of
-the code bytes (row g, byte j), (g, j + 4), (g + 8, j), (g + 8, j + 4) of the step; scales ``[tile][stage][16
-rows][4 steps]``. MXFP8: codes ``[tile][stage][lane][step][row g: 4 | row g + 8: 4]`` bytes; scales
-``[tile][stage][16 rows][2]``. FC1's W13 (and the shared expert's) rows are interleaved in blocks of 8 columns
-(:func:`gate_up_rows`: 8 gate rows, then the 8 up rows of the same columns), so a lane holds the gate (row g) and
-the up value (row g + 8) of one intermediate column. Numerics: weights exact in bf16 (value x E4M3 scale <= 6
-significant bits; MXFP8 x E8M0 exact), float32 accumulation, the per-row NVFP4 tensor scale on the accumulator;
-act rounded as the reference's bf16 model (gate, up, SiLU(gate) and the product).
+Weights: the routed NVFP4 experts are read in the CUDA decode kernels' prepacked layout
+(:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`), so one prepacked copy serves decode and prefill: per 16-row
+tile and 64-K chunk, lane (g, j) holds rows g, g + 8 of its scale group (K 16 j .. 16 j + 15 of the chunk, one E4M3
+scale per row) in 4 steps of 4 K — its wgmma A fragment when the K order inside each 64-K chunk is permuted
+(:func:`k_order`): the tokens are permuted the same way once per call (``xp``, an index_select) and FC1 stores the
+routed act columns in that order for FC2. The MXFP8 shared expert has its own small copy (:func:`pack_mxfp8`,
+natural K order): codes ``[tile][stage][lane][step][row g: K 2j, 2j + 1, 2j + 8, 2j + 9 | row g + 8]`` bytes,
+scales ``[tile][stage][16 rows][2]``. FC1's CTA owns 128 intermediate columns: warps 0-7 their gate rows, warps 8-15
+the up rows, which reach the gate warps through shared memory for SiLU·up. Numerics: weights exact in bf16 (value x
+E4M3 scale <= 6 significant bits; MXFP8 x E8M0 exact), float32 accumulation, the per-row NVFP4 tensor scale on the
+accumulator; act rounded as the reference's bf16 model (gate, up, SiLU(gate) and the product).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels import moe_prefill as mp
-from m3c.backends.kernels.host import derived
-from m3c.backends.kernels.moe_cuda import CaptureError
+from m3c.backends.kernels.host import derived, persistent
+from m3c.backends.kernels.moe_cuda import CaptureError, is_prepacked, packed_pair
 from m3c.backends.kernels.moe_routing import expert_permutation
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ConfigError, ShapeError
@@ -50,13 +51,13 @@ WGS = 4  # warpgroups a CTA (64 weight rows each)
 BT = 128  # tokens a CTA (wgmma N: 64, 128 or 256)
 STAGES = 5  # cp.async ring depth (stages of 64 K; prefetch distance STAGES - 2)
 KST = 64
-ROW_ALIGN = 256  # H and 2I (2S) must be multiples of the largest CTA row count (4 warpgroups)
+ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128
 _TAG = "wgmma prefill"
 
 
 def _smem(bt: int, wgs: int, stages: int) -> int:
     """Dynamic shared memory of the kernels: per stage the tokens (bt x 64 bf16), codes and scales of 4 wgs tiles."""
-    return stages * (bt * KST * 2 + 4 * wgs * 1024 + 4 * wgs * 64)
+    return stages * (bt * KST * 2 + 4 * wgs * 1024 + 4 * wgs * 256)
 
 
 def supported(hidden: int, inter: int, shared_inter: int, act_dtype: str, w13_fmt: str,
@@ -68,8 +69,8 @@ def supported(hidden: int, inter: int, shared_inter: int, act_dtype: str, w13_fm
         return f"shared expert is {shared_fmt}: the wgmma prefill takes MXFP8 or none"
     if act_dtype != "bf16":
         return f"activations are {act_dtype}: the wgmma prefill takes bf16"
-    if hidden % ROW_ALIGN or inter % (ROW_ALIGN // 2):
-        return f"H = {hidden}, I = {inter}: H must be a multiple of {ROW_ALIGN} and I of {ROW_ALIGN // 2}"
+    if hidden % ROW_ALIGN or inter % ROW_ALIGN:
+        return f"H = {hidden}, I = {inter}: both must be multiples of {ROW_ALIGN}"
     if shared_fmt == "mxfp8" and shared_inter % (ROW_ALIGN // 2):
         return f"shared I = {shared_inter}: must be a multiple of {ROW_ALIGN // 2}"
     return None
@@ -95,29 +96,19 @@ def _specs(bt: int, wgs: int, stages: int) -> tuple[CudaKernelSpec, CudaKernelSp
         types = tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())
         return CudaKernelSpec("megamoe_prefill_wgmma", SOURCE, kernel, types, d, 4 * wgs, smem)
 
-    return (spec("moe_pf_fc1", "*x *order *offs *rcode *rscale *rrow *scode *sscale *act *sact T n_sh H I S E topk"),
+    return (spec("moe_pf_fc1", "*x *xp *order *offs *rcode *rscale *rrow *scode *sscale *act *sact T n_sh H I S E "
+                 "topk"),
             spec("moe_pf_fc2", "*act *sact *order *wts *offs *rcode *rscale *rrow *scode *sscale *y T n_sh H I S E "
                  "topk slots"))
 
 
-def gate_up_rows(inter: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Row order of a [2I, ...] gate-then-up weight for FC1: blocks of 8 columns, 8 gate rows then their 8 up rows."""
-    b = torch.arange(inter // 8, device=device)[:, None, None] * 8
-    return (b + torch.arange(2, device=device)[None, :, None] * inter + torch.arange(8, device=device)).reshape(-1)
-
-
-def pack_nvfp4(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) uint8 in the kernels' NVFP4 layout (module docstring) from packed codes [..., R, K/2] and
-    E4M3 scales [..., R, K/16] (rows R·lead a multiple of 16, K of 64)."""
-    rows = math.prod(data.shape[:-1])
-    k = data.shape[-1] * 2
-    if rows % 16 or k % KST or tuple(scale.shape[:-1]) != tuple(data.shape[:-1]) or scale.shape[-1] * 16 != k:
-        raise ShapeError(f"pack_nvfp4: codes {tuple(data.shape)} / scales {tuple(scale.shape)} must be [..., R, K/2] "
-                         f"/ [..., R, K/16] with R % 16 == 0 and K % {KST} == 0")
-    d = data.reshape(rows // 16, 2, 8, k // KST, 4, 2, 4).view(torch.uint8)  # tile, h, g, stage, step, half, j
-    codes = d.permute(0, 3, 2, 6, 4, 1, 5).contiguous()  # tile, stage, g, j, step, h, half
-    s = scale.view(torch.uint8).reshape(rows // 16, 16, k // KST, 4).permute(0, 2, 1, 3).contiguous()
-    return codes.reshape(-1), s.reshape(-1)
+def k_order(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The K index at each position of moe_cuda's prepacked K order (k a multiple of 64): in each 64-K chunk, MMA
+    step s, slot 2j + e % 2 + 8 (e // 2) holds K 16 j + 4 s + e."""
+    pos = torch.arange(k, device=device)
+    slot, step, base = pos % 16, (pos // 16) % 4, pos - pos % 64
+    j, e = (slot % 8) // 2, slot % 2 + 2 * (slot // 8)
+    return base + 16 * j + 4 * step + e
 
 
 def pack_mxfp8(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,23 +124,9 @@ def pack_mxfp8(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     return codes.reshape(-1), s.reshape(-1)
 
 
-def _gate_up(t: torch.Tensor, inter: int) -> torch.Tensor:
-    """t [..., 2I, C] with its rows in :func:`gate_up_rows` order."""
-    return t.index_select(-2, gate_up_rows(inter, t.device))
-
-
-def _packed(w: Any, fc1: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' (codes, scales) of a routed NVFP4 or shared MXFP8 weight, built once per version of its codes
-    (FC1 weights with the gate / up rows interleaved)."""
-    def make() -> torch.Tensor:
-        data, scale = w.data, w.scale
-        if fc1:
-            inter = data.shape[-2] // 2
-            data, scale = _gate_up(data.view(torch.uint8), inter), _gate_up(scale.view(torch.uint8), inter)
-        packed = pack_nvfp4(data, scale) if isinstance(w, NVFP4Tensor) else pack_mxfp8(data, scale)
-        return torch.cat(packed)
-
-    both = derived(w.data, f"{_TAG} {'fc1' if fc1 else 'fc2'}", make)
+def _packed_shared(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' (codes, scales) of the shared expert's MXFP8 weight, built once per version of its codes."""
+    both = derived(w.data, _TAG, lambda: torch.cat(pack_mxfp8(w.data, w.scale)))
     n_scale = w.scale.numel()
     return both[:-n_scale], both[-n_scale:]
 
@@ -193,23 +170,23 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
             or tuple(offs.shape) != (e + 1,):
         raise ShapeError(f"permutation must be (int32 [{p}] pair order, int32 [{e + 1}] expert offsets), got "
                          f"{order.dtype} {tuple(order.shape)}, {offs.dtype} {tuple(offs.shape)}")
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not all(
-            _TAG in " ".join(getattr(w.data, "_m3c_derived", {})) for w in (w13, w2, shared_w13, shared_w2)
-            if w is not None):
+    shared_ready = all(getattr(w.data, "_m3c_derived", {}).get(_TAG, (None,))[0] == w.data._version
+                       for w in (shared_w13, shared_w2) if w is not None)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not (shared_ready and is_prepacked(w13, w2)):
         raise CaptureError("moe_prefill_wgmma: the prepacked weights are built at the first call, which must run "
                            "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
     mp.weight_args(w13, "nvfp4", (e, 2 * i, h), "w13")  # shape / dtype checks
     mp.weight_args(w2, "nvfp4", (e, h, i), "w2")
-    c13, s13 = _packed(w13, True)
-    c2, s2 = _packed(w2, False)
+    c13, s13 = packed_pair(w13)  # the CUDA decode kernels' copy
+    c2, s2 = packed_pair(w2)
     g13 = mp.nvfp4_row_scales(w13, (e, 2 * i), "w13")
     g2 = mp.nvfp4_row_scales(w2, (e, h), "w2")
     has_sh = s > 0
     if has_sh:
         mp.weight_args(shared_w13, "mxfp8", (2 * s, h), "shared_w13")
         mp.weight_args(shared_w2, "mxfp8", (h, s), "shared_w2")
-        sc13, ss13 = _packed(shared_w13, True)
-        sc2, ss2 = _packed(shared_w2, False)
+        sc13, ss13 = _packed_shared(shared_w13)
+        sc2, ss2 = _packed_shared(shared_w2)
     else:
         sc13 = ss13 = sc2 = ss2 = c13
     fc1, fc2 = specs()
@@ -223,8 +200,9 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if mp.POISON_WORKSPACES:
         for buf in (act, sact, y):
             buf.fill_(float("nan"))
+    xp = x.index_select(1, persistent(("moe_prefill_cuda k_order", str(x.device), h), lambda: k_order(h, x.device)))
     runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows),
-           [x, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k])
+           [x, xp, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k])
     runner(fc2, (m_tiles, h // rows),
            [act, sact, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots])
     comb = combine_spec(lay)

@@ -25,7 +25,7 @@ def test_kernels_compile_for_sm90a_with_register_a_wgmma(bt: int, wgs: int, stag
         assert f"HGMMA.64x{bt}x16.F32.BF16" in sass and "gdesc" in sass  # A from registers, B from a descriptor
         assert sass.count("HGMMA") >= 8  # 4 steps a stage, NVFP4 and MXFP8 loops
         assert "LDGSTS" in sass
-        assert spec.shared_bytes == stages * (bt * 128 + wgs * 4 * 1088) and spec.num_warps == 4 * wgs
+        assert spec.shared_bytes == stages * (bt * 128 + wgs * 4 * 1280) and spec.num_warps == 4 * wgs
 
 
 def test_build_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,9 +43,9 @@ def test_rejects_what_it_cannot_take(rng: torch.Generator) -> None:
     with pytest.raises(ShapeError, match="bf16"):
         pc.moe_prefill_wgmma(x, ids, wts, w13, w2, sh13, sh2)  # float32 tokens
     x, ids, wts, w13, w2, sh13, sh2 = _problem(4, 256, 96, 4, 2, 128, "nvfp4", "mxfp8", rng)
-    with pytest.raises(ShapeError, match="multiple of 256"):
+    with pytest.raises(ShapeError, match="multiples of 256"):
         pc.moe_prefill_wgmma(x.bfloat16(), ids, wts, w13, w2, sh13, sh2)
-    x, ids, wts, w13, w2, sh13, sh2 = _problem(4, 256, 128, 4, 2, 128, "nvfp4", "mxfp8", rng)
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(4, 256, 256, 4, 2, 128, "nvfp4", "mxfp8", rng)
     with pytest.raises(ShapeError, match="permutation"):
         pc.moe_prefill_wgmma(x.bfloat16(), ids, wts, w13, w2, sh13, sh2,
                              permutation=(torch.zeros(3, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)))

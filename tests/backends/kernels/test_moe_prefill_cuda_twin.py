@@ -1,7 +1,8 @@
 """A lane-level Python twin of the wgmma MoE prefill (``cuda/moe_prefill_wgmma.cu``): the work-tile search, every
 cp.async's source and shared-memory offset for the tokens, the K-major core-matrix reads that the B descriptor
-(LBO = 16 BT, SBO = 128) describes, each lane's prepacked words and scales decoded by the kernel's prmt / bf16
-steps into its A fragment, the accumulator layout and both epilogues — run against the dense MoE. The CPU's check
+(LBO = 16 BT, SBO = 128) describes, each lane's prepacked words and scales (the routed experts in moe_cuda's layout,
+the tokens and FC1's act columns in its K order) decoded by the kernel's prmt / bf16 steps into its A fragment, the
+accumulator layout and both epilogues (FC1's up rows through shared memory) — run against the dense MoE. The CPU's check
 of the index arithmetic; the GPU tests run the kernels themselves."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 import torch
 from test_moe_cuda_twin import E4M3, _prmt, _u32
 
+from m3c.backends.kernels import moe_cuda
 from m3c.backends.kernels import moe_prefill_cuda as pc
 from m3c.backends.kernels.moe_routing import expert_permutation
 from m3c.errors import ShapeError
@@ -28,14 +30,14 @@ def _bf16_pair(r: int) -> tuple[float, float]:
 
 
 def _nvfp4_frag(w: int, sg: float, sg8: float) -> list[tuple[float, float]]:
-    """The kernel's nvfp4_frag: the A registers (row g K 2j..; row g + 8; row g K 2j + 8..; row g + 8) as pairs."""
+    """The kernel's nvfp4_frag on a moe_cuda word: A registers (row g K e0, e1; row g + 8; row g e2, e3; row g + 8)."""
     m = w & 0x77777777
     m16 = m >> 16
     w4 = (w << 4) & 0xFFFFFFFF
-    hl = _prmt(0x3F3F3F00, 0x40404040, m & 0xFFFF) | (_prmt(w4, w, 0x5140) & 0x80808080)
-    hh = _prmt(0x3F3F3F00, 0x40404040, m16) | (_prmt(w4, w, 0x7362) & 0x80808080)
+    hl = _prmt(0x3F3F3F00, 0x40404040, m & 0xFFFF) | (w & 0x80808080)
+    hh = _prmt(0x3F3F3F00, 0x40404040, m16) | (w4 & 0x80808080)
     ll, lh = _prmt(0xC0800000, 0xC0804000, m & 0xFFFF), _prmt(0xC0800000, 0xC0804000, m16)
-    regs = [_prmt(ll, hl, 0x5140), _prmt(lh, hh, 0x5140), _prmt(ll, hl, 0x7362), _prmt(lh, hh, 0x7362)]
+    regs = [_prmt(ll, hl, 0x5140), _prmt(ll, hl, 0x7362), _prmt(lh, hh, 0x5140), _prmt(lh, hh, 0x7362)]
     return [tuple(v * s for v in _bf16_pair(r)) for r, s in zip(regs, (sg, sg8, sg, sg8))]
 
 
@@ -60,10 +62,11 @@ def _find_work(offs: list[int], e: int, n_sh: int, t: int, bx: int, bt: int) -> 
     return 0, -1, 0, 0
 
 
-def _mainloop(src: np.ndarray, xoff: list[int], codes: np.ndarray, scales: np.ndarray, tile0: int, k: int,
-              mx: bool, bt: int, wgs: int) -> np.ndarray:
-    """acc [64 wgs, bt] of one CTA, as the kernel's stages and steps compute it (float64 sums)."""
-    cb, sb = (1024, 32) if mx else (512, 64)
+def _mainloop(src: np.ndarray, xoff: list[int], codes: np.ndarray, scales: np.ndarray, tile0: int, tile1: int,
+              k: int, mx: bool, bt: int, wgs: int) -> np.ndarray:
+    """acc [64 wgs, bt] of one CTA, as the kernel's stages and steps compute it (float64 sums); warp t owns tile
+    tile0 + t (first half) or tile1 + t - 2 wgs."""
+    cb = 1024 if mx else 512
     nst = k // 64
     acc = np.zeros((64 * wgs, bt))
     for s in range(nst):
@@ -80,18 +83,19 @@ def _mainloop(src: np.ndarray, xoff: list[int], codes: np.ndarray, scales: np.nd
                                      + (kk % 8) * 2) // 2]
             a = np.zeros((64 * wgs, 16))
             for warp in range(4 * wgs):
-                tile = tile0 + warp
+                tile = tile0 + warp if warp < 2 * wgs else tile1 + warp - 2 * wgs
                 for lane in range(32):
                     g, j = lane >> 2, lane & 3
                     cbase = (tile * nst + s) * cb + (lane * 32 if mx else lane * 16)
-                    sbase = (tile * nst + s) * sb
                     if mx:
+                        sbase = (tile * nst + s) * 32
                         frag = _mx_frag((_u32(codes, cbase + 8 * step), _u32(codes, cbase + 8 * step + 4)),
                                         2.0 ** (int(scales[sbase + 2 * g + step // 2]) - 127),
                                         2.0 ** (int(scales[sbase + 2 * (g + 8) + step // 2]) - 127))
-                    else:
-                        frag = _nvfp4_frag(_u32(codes, cbase + 4 * step), float(E4M3[scales[sbase + 4 * g + step]]),
-                                           float(E4M3[scales[sbase + 4 * (g + 8) + step]]))
+                    else:  # moe_cuda's scales: [tile][super-chunk][lane][chunk][row g, g + 8]
+                        sbase = tile * k + (s // 4) * 256 + lane * 8 + (s % 4) * 2
+                        frag = _nvfp4_frag(_u32(codes, cbase + 4 * step), float(E4M3[scales[sbase]]),
+                                           float(E4M3[scales[sbase + 1]]))
                     r0 = warp * 16
                     (a[r0 + g, 2 * j], a[r0 + g, 2 * j + 1]), (a[r0 + g + 8, 2 * j], a[r0 + g + 8, 2 * j + 1]) = \
                         frag[0], frag[1]
@@ -101,20 +105,26 @@ def _mainloop(src: np.ndarray, xoff: list[int], codes: np.ndarray, scales: np.nd
     return acc
 
 
+def _mma_pos(n: int) -> int:
+    return (n & ~63) + 16 * ((n >> 2) & 3) + 2 * ((n >> 4) & 3) + (n & 1) + 8 * ((n >> 1) & 1)
+
+
 def _twin(x, ids, wts, w13, w2, s13, s2, bt: int, wgs: int) -> np.ndarray:
     """What the two kernels and the combine produce (float64, bf16 rounding where the kernels round)."""
     t, h = x.shape
     e, k = w13.data.shape[0], ids.shape[1]
     inter, s = w13.data.shape[1] // 2, s13.data.shape[0] // 2
-    rows = 64 * wgs
+    rows, half = 64 * wgs, 32 * wgs
     order, offs = expert_permutation(ids, e)
     order, offs = order.tolist(), offs.tolist()
-    c13, sc13 = (v.numpy() for v in pc._packed(w13, True))
-    c2, sc2 = (v.numpy() for v in pc._packed(w2, False))
-    m13, ms13 = (v.numpy() for v in pc._packed(s13, True))
-    m2, ms2 = (v.numpy() for v in pc._packed(s2, False))
+    c13, sc13 = (v.numpy() for v in moe_cuda.prepack_nvfp4(w13.data, w13.scale))
+    c2, sc2 = (v.numpy() for v in moe_cuda.prepack_nvfp4(w2.data, w2.scale))
+    m13, ms13 = (v.numpy() for v in pc.pack_mxfp8(s13.data, s13.scale))
+    m2, ms2 = (v.numpy() for v in pc.pack_mxfp8(s2.data, s2.scale))
     g13, g2 = w13.global_scale.reshape(e, -1).numpy(), w2.global_scale.reshape(e, -1).numpy()
-    xs = x.float().numpy().reshape(-1)
+    xs = x.float().numpy()
+    xps = xs[:, pc.k_order(h).numpy()].reshape(-1)  # the routed tiles' tokens, in moe_cuda's K order
+    xs = xs.reshape(-1)
     p = t * k
     n_sh = -(-t // bt)
     m_tiles = n_sh + min(-(-p // bt) + e, p)
@@ -124,24 +134,28 @@ def _twin(x, ids, wts, w13, w2, s13, s2, bt: int, wgs: int) -> np.ndarray:
     y = np.full((t, slots, h), np.nan)
     for bx in range(m_tiles):
         kind, ex, p0, count = _find_work(offs, e, n_sh, t, bx, bt)
-        for rb in range(max(2 * inter, 2 * s) // rows):
-            n_cols = s if kind == 1 else inter
-            if kind == 0 or (rb + 1) * rows > 2 * n_cols:
+        n_cols = s if kind == 1 else inter
+        for rb in range(max(inter, s) // half):
+            if kind == 0 or (rb + 1) * half > n_cols:
                 continue
             xoff = [((p0 + n) if kind == 1 else order[p0 + n] // k) * h if n < count else -1 for n in range(bt)]
+            g0 = rb * half // 16
             if kind == 2:
-                acc = _mainloop(xs, xoff, c13, sc13, ex * (2 * inter // 16) + rb * rows // 16, h, False, bt, wgs)
+                e0 = ex * (2 * inter // 16)
+                acc = _mainloop(xps, xoff, c13, sc13, e0 + g0, e0 + inter // 16 + g0, h, False, bt, wgs)
             else:
-                acc = _mainloop(xs, xoff, m13, ms13, rb * rows // 16, h, True, bt, wgs)
-            for warp in range(4 * wgs):
-                for g in range(8):
-                    n = (rb * rows // 16 + warp) * 8 + g
-                    fg, fu = (g13[ex, n], g13[ex, inter + n]) if kind == 2 else (1.0, 1.0)
-                    for col in range(count):
-                        gv = _bf16(acc[warp * 16 + g, col] * fg)
-                        uv = _bf16(acc[warp * 16 + g + 8, col] * fu)
-                        v = _bf16(_bf16(gv / (1 + np.exp(-gv))) * uv)
-                        (act if kind == 2 else sact)[p0 + col, n] = v
+                acc = _mainloop(xs, xoff, m13, ms13, g0, s // 16 + g0, h, True, bt, wgs)
+            for r in range(half):  # gate row r, up row half + r of the CTA
+                n = rb * half + r
+                fg, fu = (g13[ex, n], g13[ex, inter + n]) if kind == 2 else (1.0, 1.0)
+                for col in range(count):
+                    gv = _bf16(acc[r, col] * fg)
+                    uv = _bf16(acc[half + r, col] * fu)
+                    v = _bf16(_bf16(gv / (1 + np.exp(-gv))) * uv)
+                    if kind == 2:
+                        act[p0 + col, _mma_pos(n)] = v
+                    else:
+                        sact[p0 + col, n] = v
     acts = act.reshape(-1)
     sacts = sact.reshape(-1)
     for bx in range(m_tiles):
@@ -151,10 +165,11 @@ def _twin(x, ids, wts, w13, w2, s13, s2, bt: int, wgs: int) -> np.ndarray:
             if kind == 0:
                 continue
             xoff = [(p0 + n) * kdim if n < count else -1 for n in range(bt)]
+            t0 = rb * rows // 16 + (ex * (h // 16) if kind == 2 else 0)
             if kind == 2:
-                acc = _mainloop(acts, xoff, c2, sc2, ex * (h // 16) + rb * rows // 16, inter, False, bt, wgs)
+                acc = _mainloop(acts, xoff, c2, sc2, t0, t0 + 2 * wgs, inter, False, bt, wgs)
             else:
-                acc = _mainloop(sacts, xoff, m2, ms2, rb * rows // 16, s, True, bt, wgs)
+                acc = _mainloop(sacts, xoff, m2, ms2, t0, t0 + 2 * wgs, s, True, bt, wgs)
             for col in range(count):
                 if kind == 2:
                     pair = order[p0 + col]
@@ -206,8 +221,7 @@ def _weights(e: int, h: int, inter: int, s: int, gen: torch.Generator):
 @pytest.mark.parametrize("bt, wgs", [(16, 1), (8, 2)])
 def test_twin_matches_dense_moe(bt: int, wgs: int) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
-    e, h, k = 3, 128 * wgs, 2
-    inter = s = 64 * wgs  # FC1: two row blocks of 64 wgs rows; FC2: K of one 64-K stage
+    e, h, k, inter, s = 3, 256, 2, 256, 128  # K of the routed weights: whole 256-K super-chunks
     t = bt + 5  # a full and a partial shared tile; routed tiles of several sizes
     w13, w2, s13, s2 = _weights(e, h, inter, s, gen)
     x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
@@ -220,16 +234,36 @@ def test_twin_matches_dense_moe(bt: int, wgs: int) -> None:
     assert rel < 1e-2, rel
 
 
-def test_gate_up_rows_interleaves_blocks_of_eight() -> None:
-    r = pc.gate_up_rows(16).tolist()
-    assert r[:16] == list(range(8)) + list(range(16, 24))
-    assert r[16:] == list(range(8, 16)) + list(range(24, 32))
-    assert sorted(r) == list(range(32))
+def test_k_order_is_moe_cuda_mma_order() -> None:
+    """k_order lists, position by position, the K the prepacked weights hold there: decoding a prepacked row with the
+    kernel's lane mapping gives the dense row at k_order."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    q = quant.nvfp4_quantize(torch.randn(16, 256, generator=gen), None)
+    dense = quant.nvfp4_dequantize(q).numpy()
+    codes, scales = (v.numpy() for v in moe_cuda.prepack_nvfp4(q.data, q.scale))
+    order = pc.k_order(256).numpy()
+    assert sorted(order.tolist()) == list(range(256))
+    got = np.zeros((16, 256))
+    for s_ in range(4):
+        for step in range(4):
+            for lane in range(32):
+                g, j = lane >> 2, lane & 3
+                sb = (s_ // 4) * 256 + lane * 8 + (s_ % 4) * 2
+                fr = _nvfp4_frag(_u32(codes, s_ * 512 + lane * 16 + 4 * step), float(E4M3[scales[sb]]),
+                                 float(E4M3[scales[sb + 1]]))
+                base = 64 * s_ + 16 * step
+                got[g, base + 2 * j: base + 2 * j + 2] = fr[0]
+                got[g + 8, base + 2 * j: base + 2 * j + 2] = fr[1]
+                got[g, base + 2 * j + 8: base + 2 * j + 10] = fr[2]
+                got[g + 8, base + 2 * j + 8: base + 2 * j + 10] = fr[3]
+    g_scale = float(q.global_scale) if q.global_scale is not None else 1.0
+    np.testing.assert_array_equal(got * g_scale, dense[:, order])
+    assert [_mma_pos(int(n)) for n in order] == list(range(256))
 
 
 def test_pack_rejects_bad_shapes() -> None:
     with pytest.raises(ShapeError, match="R % 16"):
-        pc.pack_nvfp4(torch.zeros(8, 32, dtype=torch.uint8), torch.zeros(8, 4, dtype=torch.uint8))
+        pc.pack_mxfp8(torch.zeros(8, 64, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8))
     with pytest.raises(ShapeError, match="K % 64"):
         pc.pack_mxfp8(torch.zeros(16, 32, dtype=torch.uint8), torch.zeros(16, 1, dtype=torch.uint8))
 
@@ -240,4 +274,5 @@ def test_supported_names_what_it_cannot_take() -> None:
     assert "NVFP4" in pc.supported(6144, 1536, 1536, "bf16", "mxfp8", "mxfp8")
     assert "bf16" in pc.supported(6144, 1536, 1536, "fp32", "nvfp4", "mxfp8")
     assert "multiple" in pc.supported(6000, 1536, 1536, "bf16", "nvfp4", "mxfp8")
+    assert "multiples of 256" in pc.supported(6144, 1536 + 128, 1536, "bf16", "nvfp4", "mxfp8")
     assert "shared I" in pc.supported(6144, 1536, 100, "bf16", "nvfp4", "mxfp8")

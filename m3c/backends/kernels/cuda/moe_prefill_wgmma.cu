@@ -1,6 +1,6 @@
-// MegaMoE prefill grouped GEMMs for sm_90a (H100 / H200): the routed NVFP4 experts and the MXFP8 shared expert,
-// decoded in registers straight into the A operand of wgmma (bf16, A from registers, B = the tokens from shared
-// memory). Layouts, tiling and numerics: m3c/backends/kernels/moe_prefill_cuda.py. No system headers (only
+// MegaMoE prefill grouped GEMMs for sm_90a (H100 / H200): the routed NVFP4 experts (in the decode kernels' prepacked
+// layout, moe_cuda.prepack_nvfp4: one copy serves both) and the MXFP8 shared expert, decoded in registers straight
+// into the A operand of wgmma (bf16, A from registers, B = the tokens from shared memory). Layouts, tiling and numerics: m3c/backends/kernels/moe_prefill_cuda.py. No system headers (only
 // ptx_common.cuh): builds with a bare nvcc (PyPI).
 //
 // A CTA owns ROWS = 64 WGS weight rows (warp w: the 16-row tile w) x BT tokens of one expert (or of the shared
@@ -23,7 +23,7 @@
 #define KST 64
 #define X_BYTES (BT * KST * 2)
 #define W_BYTES (TILES * 1024)  // codes of a stage: NVFP4 512 B a 16-row tile, MXFP8 1 KiB
-#define S_BYTES (TILES * 64)    // scales of a stage: NVFP4 64 B a tile, MXFP8 32 B
+#define S_BYTES (TILES * 256)   // scales of a stage: NVFP4 the tile's 256-K super-chunk (256 B), MXFP8 32 B
 #define STAGE_BYTES (X_BYTES + W_BYTES + S_BYTES)
 #define ACC (BT / 2)
 
@@ -79,18 +79,18 @@ __device__ __forceinline__ u32 f16x2_to_bf16x2(u32 v) {  // exact for E4M3-range
       : "r"(v));
   return r;
 }
-// One lane's NVFP4 word of a 16-K step (nibbles: row g at K 2j, 2j + 1, 2j + 8, 2j + 9, then row g + 8) -> the four
-// bf16x2 A registers times the rows' scale pairs: magnitudes by byte lookups (bf16 high and low bytes of 0, .5, 1,
-// 1.5 | 2, 3, 4, 6), the sign bits OR-ed into the high bytes, the bytes paired. Exact (<= 6 significant bits).
+// One lane's NVFP4 word of a 16-K step in moe_cuda's prepacked layout (magnitudes: nibble i = rows g, g + 8 at the
+// lane's K e = 0, 1 for i < 4 (i = 2 h + e), e = 2, 3 above; signs at bits 8 i + 7 / 8 i + 3) -> the four bf16x2 A
+// registers times the rows' scale pairs: magnitudes by byte lookups (bf16 high and low bytes of 0, .5, 1, 1.5 | 2,
+// 3, 4, 6), the sign bits OR-ed into the high bytes, the bytes paired. Exact (<= 6 significant bits).
 __device__ __forceinline__ void nvfp4_frag(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
-  const u32 m = w & 0x77777777u, m16 = m >> 16, w4 = w << 4;
-  u32 hl = prmt(0x3F3F3F00u, 0x40404040u, m), hh = prmt(0x3F3F3F00u, 0x40404040u, m16);
+  const u32 m = w & 0x77777777u, m16 = m >> 16;
+  const u32 hl = prmt(0x3F3F3F00u, 0x40404040u, m) | (w & 0x80808080u);
+  const u32 hh = prmt(0x3F3F3F00u, 0x40404040u, m16) | ((w << 4) & 0x80808080u);
   const u32 ll = prmt(0xC0800000u, 0xC0804000u, m), lh = prmt(0xC0800000u, 0xC0804000u, m16);
-  hl |= prmt(w4, w, 0x5140u) & 0x80808080u;
-  hh |= prmt(w4, w, 0x7362u) & 0x80808080u;
-  a[0] = hmul2_bf16(prmt(ll, hl, 0x5140u), sg);   // row g, K 2j, 2j + 1
-  a[2] = hmul2_bf16(prmt(ll, hl, 0x7362u), sg);   // row g, K 2j + 8, 2j + 9
-  a[1] = hmul2_bf16(prmt(lh, hh, 0x5140u), sg8);  // row g + 8
+  a[0] = hmul2_bf16(prmt(ll, hl, 0x5140u), sg);   // row g, K e = 0, 1 (slots 2j, 2j + 1)
+  a[1] = hmul2_bf16(prmt(ll, hl, 0x7362u), sg8);  // row g + 8
+  a[2] = hmul2_bf16(prmt(lh, hh, 0x5140u), sg);   // row g, K e = 2, 3 (slots 2j + 8, 2j + 9)
   a[3] = hmul2_bf16(prmt(lh, hh, 0x7362u), sg8);
 }
 // One lane's MXFP8 bytes of a 16-K step (v.x: row g at K 2j, 2j + 1, 2j + 8, 2j + 9; v.y: row g + 8) -> the four
@@ -223,17 +223,24 @@ __device__ Work find_work(const int* offs, int E, int n_sh, int T) {
   return w;
 }
 
+// Global 16-row tile of the CTA's tile t: the first TILES / 2 from tile0, the rest from tile1 (FC1: gate rows, then
+// the up rows of the same columns; FC2: one run, tile1 = tile0 + TILES / 2).
+__device__ __forceinline__ long tile_of(int t, long tile0, long tile1) {
+  return t < TILES / 2 ? tile0 + t : tile1 + (t - TILES / 2);
+}
+
 // acc[0 .. ACC) = (this warpgroup's 64 rows of W) . (the tile's tokens)^T over K. `src` + xoff[n] is token n's row
-// (xoff[n] < 0: a row past the tile, read as zeros); `code` / `scale` point at the CTA's first 16-row tile of the
-// prepacked weights (stage 0); tiles lie K / 64 stages apart.
+// (xoff[n] < 0: a row past the tile, read as zeros); `code` / `scale`: the prepacked weights (routed NVFP4:
+// moe_cuda's layout, K in its MMA order; shared MXFP8: moe_prefill_cuda's), whose 16-row tiles tile_of(t, tile0,
+// tile1) the CTA's warps t own.
 template <bool MX>
 __device__ __forceinline__ void mainloop(u8* smem, const u16* src, const long long* xoff, const u8* code,
-                                         const u8* scale, int K, float (&acc)[ACC]) {
+                                         const u8* scale, long tile0, long tile1, int K, float (&acc)[ACC]) {
   constexpr int CB = MX ? 1024 : 512;  // code bytes of a tile-stage
-  constexpr int SB = MX ? 32 : 64;     // scale bytes of a tile-stage
+  constexpr int SB = MX ? 32 : 256;    // scale bytes copied a tile-stage (NVFP4: the stage's whole super-chunk)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
   const int nst = K / KST;
-  const long tstride = (long)nst * CB, sstride = (long)nst * SB;
+  const long tstride = (long)nst * CB, sstride = MX ? (long)nst * SB : (long)K;
   const u32 base = smem_u32(smem);
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
@@ -258,11 +265,11 @@ __device__ __forceinline__ void mainloop(u8* smem, const u16* src, const long lo
 #pragma unroll
   for (int q = 0; q < CN; ++q) {
     const int i = tid + q * THREADS, t = i / (CB / 16), c = i % (CB / 16);
-    csrc[q] = code + t * tstride + c * 16;
+    csrc[q] = code + tile_of(t, tile0, tile1) * tstride + c * 16;
     cdst[q] = X_BYTES + t * CB + c * 16;
   }
   const bool sok = tid < TILES * (SB / 16);
-  const u8* ssrc = scale + (tid / (SB / 16)) * sstride + (tid % (SB / 16)) * 16;
+  const u8* ssrc = scale + tile_of(tid / (SB / 16), tile0, tile1) * sstride + (tid % (SB / 16)) * 16;
   const u32 sdst = X_BYTES + W_BYTES + (tid / (SB / 16)) * SB + (tid % (SB / 16)) * 16;
 
   auto issue = [&](int s) {
@@ -273,7 +280,7 @@ __device__ __forceinline__ void mainloop(u8* smem, const u16* src, const long lo
         if (xok[q]) cp16(b + xdst[q], xsrc[q] + s * (KST * 2), xok[q] == 2);
 #pragma unroll
       for (int q = 0; q < CN; ++q) cp16(b + cdst[q], csrc[q] + (long)s * CB, true);
-      if (sok) cp16(b + sdst, ssrc + (long)s * SB, true);
+      if (sok) cp16(b + sdst, ssrc + (MX ? (long)s * SB : (long)(s >> 2) * SB), true);
     }
     cp_commit();  // (an empty group past the end keeps the wait counts uniform)
   };
@@ -295,17 +302,12 @@ __device__ __forceinline__ void mainloop(u8* smem, const u16* src, const long lo
     const u8* sb = smem + buf * STAGE_BYTES + X_BYTES + W_BYTES + warp * SB;
     if (!MX) {
       const uint4 cw = *(const uint4*)(wb + lane * 16);
-      const u32 sw = *(const u32*)(sb + g * 4), sw8 = *(const u32*)(sb + (g + 8) * 4);
-      u32 bs = 0u, bs8 = 0u;
+      // the lane's scale group (4 c + j) of rows g, g + 8 for this stage (chunk c = s % 4 of its super-chunk)
+      const u32 bs = f16x2_to_bf16x2(e4m3x2_lo(*(const u16*)(sb + lane * 8 + (s & 3) * 2)));
+      const u32 sg = prmt(bs, 0u, 0x1010u), sg8 = prmt(bs, 0u, 0x3232u);
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
-        if ((t & 1) == 0) {  // the bf16 scales of steps t, t + 1 (rows g, g + 8)
-          bs = f16x2_to_bf16x2(t == 0 ? e4m3x2_lo(sw) : e4m3x2_hi(sw));
-          bs8 = f16x2_to_bf16x2(t == 0 ? e4m3x2_lo(sw8) : e4m3x2_hi(sw8));
-        }
-        const u32 sel = (t & 1) ? 0x3232u : 0x1010u;
-        nvfp4_frag(t == 0 ? cw.x : t == 1 ? cw.y : t == 2 ? cw.z : cw.w, prmt(bs, 0u, sel), prmt(bs8, 0u, sel),
-                   a[t & 1]);
+        nvfp4_frag(t == 0 ? cw.x : t == 1 ? cw.y : t == 2 ? cw.z : cw.w, sg, sg8, a[t & 1]);
         wg_fence();
         WGMMA(acc, a[t & 1], smem_desc(xb + t * BT * 32, BT * 16, 128));
         wg_commit();
@@ -331,18 +333,25 @@ __device__ __forceinline__ void mainloop(u8* smem, const u16* src, const long lo
   cp_wait<0>();
 }
 
-// act[p, n] = SiLU(gate) * up (bf16, rounded as the reference's bf16 model) for the tile's rows p and intermediate
-// columns n: the CTA's 16-row tiles interleave 8 gate rows and the 8 up rows of the same columns, so a lane holds
-// gate (row g) and up (row g + 8) of column n = 8 (tile) + g for its tokens 8 i + 2 c + u.
+// Position of K index n in moe_cuda's prepacked K order (within each 64-K chunk, MMA step s = n / 4 % 4 holds lane j =
+// n / 16 % 4's K 4 s + e at slot 2 j + e % 2 + 8 (e / 2)): where FC1 stores act column n for FC2's routed tiles.
+__device__ __forceinline__ int mma_pos(int n) {
+  return (n & ~63) + 16 * ((n >> 2) & 3) + 2 * ((n >> 4) & 3) + (n & 1) + 8 * ((n >> 1) & 1);
+}
+
+// act[p, n] = SiLU(gate) * up (bf16, rounded as the reference's bf16 model) for the tile's rows p and the CTA's
+// ROWS / 2 intermediate columns n: warps 0 .. TILES / 2 - 1 hold the gate rows, the others the up rows of the same
+// columns, which reach the gate warps through shared memory. Routed act columns are stored in moe_cuda's K order
+// (mma_pos), the order FC2's prepacked weights expect; the tokens of routed tiles come from xp, x in that order.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-moe_pf_fc1(const u16* x, const int* order, const int* offs, const u8* rcode, const u8* rscale, const float* rrow,
-           const u8* scode, const u8* sscale, u16* act, u16* sact, int T, int n_sh, int H, int I, int S, int E,
-           int topk, void* scratch0, void* scratch1) {
+moe_pf_fc1(const u16* x, const u16* xp, const int* order, const int* offs, const u8* rcode, const u8* rscale,
+           const float* rrow, const u8* scode, const u8* sscale, u16* act, u16* sact, int T, int n_sh, int H, int I,
+           int S, int E, int topk, void* scratch0, void* scratch1) {
   extern __shared__ __align__(128) u8 smem[];
   __shared__ long long xoff[BT];
   const Work w = find_work(offs, E, n_sh, T);
   const int rb = blockIdx.y, N = w.kind == 1 ? S : I;
-  if (w.kind == 0 || (rb + 1) * ROWS > 2 * N) return;
+  if (w.kind == 0 || (rb + 1) * (ROWS / 2) > N) return;
   for (int n = threadIdx.x; n < BT; n += THREADS) {
     long long o = -1;
     if (n < w.count) o = (long long)(w.kind == 1 ? w.p0 + n : order[w.p0 + n] / topk) * H;
@@ -350,30 +359,48 @@ moe_pf_fc1(const u16* x, const int* order, const int* offs, const u8* rcode, con
   }
   __syncthreads();
   float acc[ACC];
-  const long tile0 = (long)rb * TILES;
+  const long g0 = (long)rb * (TILES / 2), u0 = N / 16 + g0;
   if (w.kind == 2) {
-    const long t = (long)w.expert * (2 * I / 16) + tile0;
-    mainloop<false>(smem, x, xoff, rcode + t * (H / KST) * 512, rscale + t * (H / KST) * 64, H, acc);
+    const long e0 = (long)w.expert * (2 * I / 16);
+    mainloop<false>(smem, xp, xoff, rcode, rscale, e0 + g0, e0 + u0, H, acc);
   } else {
-    mainloop<true>(smem, x, xoff, scode + tile0 * (H / KST) * 1024, sscale + tile0 * (H / KST) * 32, H, acc);
+    mainloop<true>(smem, x, xoff, scode, sscale, g0, u0, H, acc);
   }
+  __syncthreads();  // every warpgroup's MMAs are done: the stage buffers hold the up values now
+  constexpr int LD = BT + 4;
+  float* upv = (float*)smem;  // [ROWS / 2][LD]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-  const int n = (rb * TILES + warp) * 8 + g;
-  float fg = 1.f, fu = 1.f;
-  if (w.kind == 2) {
-    fg = rrow[(long)w.expert * 2 * I + n];
-    fu = rrow[(long)w.expert * 2 * I + I + n];
+  const bool is_up = warp >= TILES / 2;
+  const int r = (warp % (TILES / 2)) * 16 + g;  // the lane's rows r, r + 8 of the CTA's column block
+  const int n = rb * (ROWS / 2) + r;
+  const float* rs = w.kind == 2 ? rrow + (long)w.expert * 2 * I + (is_up ? I : 0) : nullptr;
+  const float f0 = rs ? rs[n] : 1.f, f8 = rs ? rs[n + 8] : 1.f;
+  if (is_up) {
+#pragma unroll
+    for (int i = 0; i < BT / 8; ++i)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        upv[r * LD + 8 * i + 2 * c + u] = acc[4 * i + u] * f0;
+        upv[(r + 8) * LD + 8 * i + 2 * c + u] = acc[4 * i + 2 + u] * f8;
+      }
   }
+  __syncthreads();
+  if (is_up) return;
   u16* out = w.kind == 2 ? act : sact;
+  const int c0 = w.kind == 2 ? mma_pos(n) : n, c8 = w.kind == 2 ? mma_pos(n + 8) : n + 8;
 #pragma unroll
   for (int i = 0; i < BT / 8; ++i) {
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int col = 8 * i + 2 * c + u;
       if (col < w.count) {
-        const float gv = bf16_round(acc[4 * i + u] * fg), uv = bf16_round(acc[4 * i + 2 + u] * fu);
-        const float v = bf16_round(bf16_round(gv / (1.f + __expf(-gv))) * uv);
-        out[(long)(w.p0 + col) * N + n] = bf16_bits(v);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float gv = bf16_round(acc[4 * i + 2 * h + u] * (h ? f8 : f0));
+          const float uv = bf16_round(upv[(r + 8 * h) * LD + col]);
+          const float v = bf16_round(bf16_round(gv / (1.f + __expf(-gv))) * uv);
+          out[(long)(w.p0 + col) * N + (h ? c8 : c0)] = bf16_bits(v);
+        }
       }
     }
   }
@@ -412,13 +439,11 @@ moe_pf_fc2(const u16* act, const u16* sact, const int* order, const float* wts, 
   }
   __syncthreads();
   float acc[ACC];
-  const long tile0 = (long)rb * TILES;
-  if (w.kind == 2) {
-    const long t = (long)w.expert * (H / 16) + tile0;
-    mainloop<false>(smem, act, xoff, rcode + t * (I / KST) * 512, rscale + t * (I / KST) * 64, I, acc);
-  } else {
-    mainloop<true>(smem, sact, xoff, scode + tile0 * (S / KST) * 1024, sscale + tile0 * (S / KST) * 32, S, acc);
-  }
+  const long t0 = (long)rb * TILES + (w.kind == 2 ? (long)w.expert * (H / 16) : 0);
+  if (w.kind == 2)
+    mainloop<false>(smem, act, xoff, rcode, rscale, t0, t0 + TILES / 2, I, acc);
+  else
+    mainloop<true>(smem, sact, xoff, scode, sscale, t0, t0 + TILES / 2, S, acc);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int h = rb * ROWS + warp * 16 + g;
   float f = 1.f, f8 = 1.f;
