@@ -69,8 +69,9 @@ WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supporte
 MAX_TOKENS = 16  # 1..8 tokens: one 8-column MMA tile (NT = 1); 9..16: two (NT = 2)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
 NATURAL = False
-"""Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``: no prepacked second copy,
-which at M3.1-Flash scale doubles the routed experts' GPU memory, since the prefill kernels read the natural one).
+"""Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
+copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`) reads the prepacked copy too,
+so on sm_90 NATURAL would not save it (it saves it where only the decode kernels run).
 Written without a GPU (CPU: the lane-level twin, the offline build): off until its GPU tests and a same-run timing
 against the prepacked stream have run (prediction: ~0.6 more SASS instructions a weight, 0-10% slower at T = 1)."""
 _ROWS_PER_CTA = 32 * WARPS
@@ -264,15 +265,34 @@ def _aligned(v: torch.Tensor) -> torch.Tensor:
     return v if v.device.type == "meta" or v.data_ptr() % 16 == 0 else v.clone()
 
 
+_PREPACK_ROWS = 4096
+"""Rows prepacked at a time: the int64 intermediates stay ~16x one chunk's code bytes, not the whole weight's."""
+
+
 def prepack_nvfp4(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) uint8 in the kernel's NVFP4 layout (module docstring) from packed codes [..., N, K/2] and
-    E4M3 scales [..., N, K/16] (N a multiple of 16, K of 256)."""
+    E4M3 scales [..., N, K/16] (N a multiple of 16, K of 256), built :data:`_PREPACK_ROWS` rows at a time (the layout
+    is tile-major: each chunk of rows fills its own slice)."""
     rows = math.prod(data.shape[:-1])
     k = data.shape[-1] * 2
     if rows % 16 or k % 256 or tuple(scale.shape[:-1]) != tuple(data.shape[:-1]) or scale.shape[-1] * 16 != k:
         raise ShapeError(f"prepack_nvfp4: codes {tuple(data.shape)} / scales {tuple(scale.shape)} must be "
                          "[..., N, K/2] / [..., N, K/16] with N % 16 == 0 and K % 256 == 0")
-    d = data.reshape(rows, k // 2).to(torch.int64)
+    d2, s2 = data.reshape(rows, k // 2), scale.reshape(rows, k // 16)
+    codes = torch.empty(rows * k // 2, dtype=torch.uint8, device=data.device)
+    scales = torch.empty(rows * k // 16, dtype=torch.uint8, device=data.device)
+    step = max(16, _PREPACK_ROWS // 16 * 16)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        c, sc = _prepack_nvfp4_rows(d2[r:r + n], s2[r:r + n], n, k)
+        codes[r * k // 2:(r + n) * k // 2] = c
+        scales[r * k // 16:(r + n) * k // 16] = sc
+    return codes, scales
+
+
+def _prepack_nvfp4_rows(data: torch.Tensor, scale: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+    d = data.to(torch.int64)
     nib = torch.stack((d & 0xF, d >> 4), dim=-1).reshape(rows // 16, 2, 8, k // 256, 4, 4, 4, 4)
     x = nib.permute(0, 3, 4, 2, 5, 6, 1, 7)  # tile, sc, c, g, j, s, h, e
     a = x[..., 0:2].reshape(*x.shape[:-2], 4)  # byte i = (h, e) = (i // 2, i % 2)
@@ -282,7 +302,7 @@ def prepack_nvfp4(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor
             | ((b >> 3) << (8 * i + 3))).sum(dim=-1)
     codes = word.to(torch.int64).bitwise_and(0xFFFFFFFF)
     codes = torch.where(codes >= 2**31, codes - 2**32, codes).to(torch.int32).contiguous().view(torch.uint8)
-    s = scale.reshape(rows, k // 16).view(torch.uint8).reshape(rows // 16, 2, 8, k // 256, 4, 4)
+    s = scale.view(torch.uint8).reshape(rows // 16, 2, 8, k // 256, 4, 4)
     scales = s.permute(0, 3, 2, 5, 4, 1).contiguous()  # tile, sc, g, j, c, h
     return codes.reshape(-1), scales.reshape(-1)
 

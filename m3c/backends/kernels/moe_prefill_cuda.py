@@ -39,11 +39,11 @@ import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels import moe_prefill as mp
-from m3c.backends.kernels.host import derived, persistent
+from m3c.backends.kernels.host import derived
 from m3c.backends.kernels.moe_cuda import CaptureError, is_prepacked, packed_pair
 from m3c.backends.kernels.moe_routing import expert_permutation
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
-from m3c.errors import ConfigError, ShapeError
+from m3c.errors import ConfigError, ShapeError, TargetError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 
 SOURCE = "moe_prefill_wgmma.cu"
@@ -81,7 +81,7 @@ def specs() -> tuple[CudaKernelSpec, CudaKernelSpec]:
     the sizes are runtime arguments)."""
     if BT not in (64, 128, 256) or WGS not in (1, 2, 4) or not 3 <= STAGES <= 8:
         raise ConfigError(f"moe_prefill_cuda: BT {BT} (64 / 128 / 256), WGS {WGS} (1, 2, 4), STAGES {STAGES} (3..8)")
-    if _smem(BT, WGS, STAGES) > 227 * 1024 - 4096:
+    if _smem(BT, WGS, STAGES) > 227 * 1024 - 1024 - 20 * BT:  # less the kernels' static arrays (20 B a token)
         raise ConfigError(f"moe_prefill_cuda: {STAGES} stages of BT {BT}, WGS {WGS} need "
                           f"{_smem(BT, WGS, STAGES)} bytes of shared memory, more than an H200 CTA has")
     return _specs(BT, WGS, STAGES)
@@ -118,17 +118,52 @@ def pack_mxfp8(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, t
     if rows % 16 or k % KST or tuple(scale.shape[:-1]) != tuple(data.shape[:-1]) or scale.shape[-1] * 32 != k:
         raise ShapeError(f"pack_mxfp8: codes {tuple(data.shape)} / scales {tuple(scale.shape)} must be [R, K] / "
                          f"[R, K/32] with R % 16 == 0 and K % {KST} == 0")
+    return _mx_codes(data), _mx_scales(scale)
+
+
+def _mx_codes(data: torch.Tensor) -> torch.Tensor:
+    rows, k = math.prod(data.shape[:-1]), data.shape[-1]
     d = data.view(torch.uint8).reshape(rows // 16, 2, 8, k // KST, 4, 2, 4, 2)  # tile, h, g, stage, step, half, j, e
-    codes = d.permute(0, 3, 2, 6, 4, 1, 5, 7).contiguous()  # tile, stage, g, j, step, h, half, e
-    s = scale.view(torch.uint8).reshape(rows // 16, 16, k // KST, 2).permute(0, 2, 1, 3).contiguous()
-    return codes.reshape(-1), s.reshape(-1)
+    return d.permute(0, 3, 2, 6, 4, 1, 5, 7).contiguous().reshape(-1)  # tile, stage, g, j, step, h, half, e
+
+
+def _mx_scales(scale: torch.Tensor) -> torch.Tensor:
+    rows, groups = math.prod(scale.shape[:-1]), scale.shape[-1]
+    s = scale.view(torch.uint8).reshape(rows // 16, 16, groups // 2, 2)  # tile, row, stage, group
+    return s.permute(0, 2, 1, 3).contiguous().reshape(-1)
 
 
 def _packed_shared(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' (codes, scales) of the shared expert's MXFP8 weight, built once per version of its codes."""
-    both = derived(w.data, _TAG, lambda: torch.cat(pack_mxfp8(w.data, w.scale)))
-    n_scale = w.scale.numel()
-    return both[:-n_scale], both[-n_scale:]
+    """The kernels' (codes, scales) of the shared expert's MXFP8 weight: each built once per version of its source."""
+    return derived(w.data, _TAG, lambda: _mx_codes(w.data)), derived(w.scale, _TAG, lambda: _mx_scales(w.scale))
+
+
+_K_ORDERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _k_order_on(device: torch.device, k: int) -> torch.Tensor:
+    """:func:`k_order` on a device, built once per (device, k)."""
+    key = (str(device), k)
+    if key not in _K_ORDERS:
+        _K_ORDERS[key] = k_order(k, device)
+    return _K_ORDERS[key]
+
+
+def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any) -> bool:
+    """Whether everything a first call builds for these weights exists and is current (the routed prepacked copy, the
+    shared expert's, the per-row tensor scales' expansion, the tokens' K order): a call inside CUDA-graph capture
+    must not build any of it (its values would exist only from the first replay on)."""
+    def has(t: torch.Tensor, tag: str) -> bool:
+        return getattr(t, "_m3c_derived", {}).get(tag, (None,))[0] == t._version
+
+    e, two_i, h = w13.shape
+    ok = is_prepacked(w13, w2) and (str(x.device), h) in _K_ORDERS
+    for w, lead in ((w13, (e, two_i)), (w2, (e, h))):
+        g = w.global_scale
+        ok = ok and g is not None and (g.numel() == math.prod(lead) or has(g, f"rows {lead}"))
+    for w in (shared_w13, shared_w2):
+        ok = ok and (w is None or (has(w.data, _TAG) and has(w.scale, _TAG)))
+    return ok
 
 
 def call_support(x: torch.Tensor, w13: Any, shared_w13: Any) -> str | None:
@@ -161,7 +196,8 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         raise ShapeError(f"out must be a contiguous {x.dtype} [{t}, {h}] tensor, got {out.dtype} {tuple(out.shape)}")
     if t == 0:
         return out
-    x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = torch.empty((t, h), dtype=x.dtype, device=x.device).copy_(x)
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.float().contiguous().view(-1)
     p = t * k
@@ -170,11 +206,15 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
             or tuple(offs.shape) != (e + 1,):
         raise ShapeError(f"permutation must be (int32 [{p}] pair order, int32 [{e + 1}] expert offsets), got "
                          f"{order.dtype} {tuple(order.shape)}, {offs.dtype} {tuple(offs.shape)}")
-    shared_ready = all(getattr(w.data, "_m3c_derived", {}).get(_TAG, (None,))[0] == w.data._version
-                       for w in (shared_w13, shared_w2) if w is not None)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not (shared_ready and is_prepacked(w13, w2)):
-        raise CaptureError("moe_prefill_wgmma: the prepacked weights are built at the first call, which must run "
-                           "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
+        raise TargetError(f"moe_prefill_wgmma: the wgmma kernels run on sm_90 (H100 / H200) only, x is on {x.device}"
+                          " (megamoe runs moe_prefill there)")
+    for name, v in (("pair order", order), ("expert offsets", offs)):
+        if v.device != x.device or not v.is_contiguous():
+            raise ShapeError(f"permutation: the {name} must be a contiguous tensor on {x.device}, got {v.device}")
+    if torch.cuda.is_current_stream_capturing() and not state_ready(x, w13, w2, shared_w13, shared_w2):
+        raise CaptureError("moe_prefill_wgmma: the prepacked weights (and the tokens' K order) are built at the first "
+                           "call, which must run outside CUDA-graph capture: call once eagerly (a warm-up) first")
     mp.weight_args(w13, "nvfp4", (e, 2 * i, h), "w13")  # shape / dtype checks
     mp.weight_args(w2, "nvfp4", (e, h, i), "w2")
     c13, s13 = packed_pair(w13)  # the CUDA decode kernels' copy
@@ -200,7 +240,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if mp.POISON_WORKSPACES:
         for buf in (act, sact, y):
             buf.fill_(float("nan"))
-    xp = x.index_select(1, persistent(("moe_prefill_cuda k_order", str(x.device), h), lambda: k_order(h, x.device)))
+    xp = x.index_select(1, _k_order_on(x.device, h))
     runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows),
            [x, xp, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k])
     runner(fc2, (m_tiles, h // rows),

@@ -218,3 +218,15 @@ def test_run_tiles_twin_matches_dense(fmt: str, experts: int, rows: int, k: int,
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     got, want = _twin(fmt, experts, rows, k, ks, t, gen, decode)
     assert np.abs(got - want).max() <= 1e-9 * np.abs(want).max()
+
+
+def test_prepack_in_row_chunks_equals_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepack_nvfp4 builds its tile-major layout a chunk of rows at a time: the same bytes as in one piece."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    q = quant.nvfp4_quantize(torch.randn(3 * 48, 512, generator=gen), None)
+    data, scale = q.data.reshape(3, 48, 256), q.scale.reshape(3, 48, 32)
+    whole = moe_cuda.prepack_nvfp4(data, scale)
+    monkeypatch.setattr(moe_cuda, "_PREPACK_ROWS", 32)
+    chunked = moe_cuda.prepack_nvfp4(data, scale)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+

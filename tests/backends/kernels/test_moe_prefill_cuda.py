@@ -3,14 +3,19 @@ results against the float64 reference of ``test_moe_prefill`` (NaN-poisoned work
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 from test_moe_prefill import _check, _problem, _reference, _to
 
-from m3c.backends.cuda_aot import compile_cuda, disassemble
+from m3c.backends.cuda_aot import SOURCE_DIR, compile_cuda, disassemble, find_nvcc
+from m3c.backends.kernels import moe_cuda
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.backends.kernels import moe_prefill_cuda as pc
-from m3c.errors import ConfigError, ShapeError
+from m3c.errors import ConfigError, ShapeError, TargetError
 
 
 @pytest.mark.parametrize("bt, wgs, stages", [(128, 4, 5), (256, 2, 5), (64, 2, 6)])
@@ -26,6 +31,12 @@ def test_kernels_compile_for_sm90a_with_register_a_wgmma(bt: int, wgs: int, stag
         assert sass.count("HGMMA") >= 8  # 4 steps a stage, NVFP4 and MXFP8 loops
         assert "LDGSTS" in sass
         assert spec.shared_bytes == stages * (bt * 128 + wgs * 4 * 1280) and spec.num_warps == 4 * wgs
+    with tempfile.TemporaryDirectory() as tmp:  # ptxas keeps every wgmma asynchronous (no serialization warning)
+        res = subprocess.run([find_nvcc(), "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v",
+                              f"-DBT={bt}", f"-DWGS={wgs}", f"-DSTAGES={stages}", "-o", str(Path(tmp) / "k.cubin"),
+                              str(SOURCE_DIR / pc.SOURCE)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "serializ" not in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-2000:]
 
 
 def test_build_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,6 +60,42 @@ def test_rejects_what_it_cannot_take(rng: torch.Generator) -> None:
     with pytest.raises(ShapeError, match="permutation"):
         pc.moe_prefill_wgmma(x.bfloat16(), ids, wts, w13, w2, sh13, sh2,
                              permutation=(torch.zeros(3, dtype=torch.int32), torch.zeros(5, dtype=torch.int32)))
+
+
+def test_needs_an_sm90_device_and_a_contiguous_permutation(rng: torch.Generator) -> None:
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(4, 256, 256, 4, 2, 128, "nvfp4", "mxfp8", rng)
+    with pytest.raises(TargetError, match="sm_90"):
+        pc.moe_prefill_wgmma(x.bfloat16(), ids, wts, w13, w2, sh13, sh2)  # a CPU tensor
+
+
+def test_state_ready_tracks_every_lazily_built_piece(rng: torch.Generator) -> None:
+    """What a first call builds (prepacked copies, row-scale expansion, token K order) is tracked per weight version:
+    a call inside CUDA-graph capture is refused until all of it exists."""
+    x, _, _, w13, w2, sh13, sh2 = _problem(4, 256, 256, 4, 2, 128, "nvfp4", "mxfp8", rng)
+    w13.global_scale = w13.global_scale.amax().reshape(1)  # a per-tensor scale: expanded once per row
+    x = x.bfloat16()
+    assert not pc.state_ready(x, w13, w2, sh13, sh2)
+    moe_cuda.packed_pair(w13)
+    moe_cuda.packed_pair(w2)
+    pc._packed_shared(sh13)
+    pc._packed_shared(sh2)
+    pc._k_order_on(x.device, 256)
+    assert not pc.state_ready(x, w13, w2, sh13, sh2)  # w13's per-row scales not expanded yet
+    mp.nvfp4_row_scales(w13, (4, 512), "w13")
+    assert pc.state_ready(x, w13, w2, sh13, sh2) and pc.state_ready(x, w13, w2, None, None)
+    sh2.scale.add_(0)  # an in-place change (version bump) of a scale alone
+    assert not pc.state_ready(x, w13, w2, sh13, sh2)
+
+
+def test_megamoe_lists_the_wgmma_specs_only_when_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from m3c.backends.kernels import megamoe
+
+    def fams() -> list[str]:
+        return [getattr(sp, "family", "") for sp in megamoe.megamoe_specs(6144, 1536, 64, 8, 1536, "bf16", "nvfp4",
+                                                                           "mxfp8")]
+    assert fams().count("megamoe_prefill_wgmma") == 2
+    monkeypatch.setattr(megamoe, "PREFILL_WGMMA", False)
+    assert "megamoe_prefill_wgmma" not in fams()
 
 
 def _gpu_case(t: int, h: int, inter: int, e: int, k: int, s: int, rng: torch.Generator, skew: bool = False,
@@ -112,13 +159,14 @@ def test_invalid_ids_contribute_nothing_and_graph_replays_gpu(rng: torch.Generat
     with torch.cuda.graph(graph):
         pc.moe_prefill_wgmma(*args, out=out)
     x2, ids2, wts2, *_ = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng)
-    ids2[::3, 1] = -1  # an id outside [0, E): that slot contributes nothing
+    ids2[::3, 1] = -1  # ids outside [0, E): those slots contribute nothing
+    ids2[1::5, 0] = e + 3
     args[0].copy_(x2.bfloat16())
     args[1].copy_(ids2)
     args[2].copy_(wts2)
     graph.replay()
     torch.cuda.synchronize()
-    keep = ids2.cuda() >= 0
-    ref = _reference(args[0].float(), ids2.cuda().clamp(min=0), wts2.cuda() * keep, *args[3:], "nvfp4", "mxfp8",
+    keep = (ids2.cuda() >= 0) & (ids2.cuda() < e)
+    ref = _reference(args[0].float(), ids2.cuda().clamp(0, e - 1), wts2.cuda() * keep, *args[3:], "nvfp4", "mxfp8",
                      dtype=torch.float64)
     _check(out, ref, torch.bfloat16)
