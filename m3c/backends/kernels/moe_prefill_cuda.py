@@ -8,8 +8,10 @@ wgmma's A registers (bf16, A from registers: ~3 instructions a weight, amortized
 are wgmma's B, copied to shared memory by 16-byte ``cp.async`` (gathered rows, zero-filled past a tile's end).
 
 Tiling: a CTA = 4 warpgroups x 64 weight rows (256 rows) x 128 tokens of one expert (or of the shared expert:
-tiles 0 .. ceil(T / 128) - 1 of the same launches), K in stages of 64 through a 4-deep ring (132 KiB of shared
-memory); a warpgroup issues 4 ``wgmma.m64n128k16`` a stage and decodes step t + 1 while step t runs. The grid is
+tiles 0 .. ceil(T / 128) - 1 of the same launches), K in stages of 64 through a 5-deep ring (180 KiB of shared
+memory, prefetch distance 3); a warpgroup issues 4 ``wgmma.m64n128k16`` a stage and decodes step t + 1 while step t
+runs. H200, m3.1-small (benchmarks/RESULTS.md, session 16): T = 4096 6.9 ms vs 9.8 for the Triton kernels (FC1 345
+TFLOP/s, FC2 293: ~40% of bf16 peak, stalls spread over shared-memory issue, barriers and the decode chain). The grid is
 (token tiles, row blocks) with the token tiles fastest, so the tiles of one expert run side by side and read its
 weights from L2. Experts without tokens own no tile. Same four steps as the Triton path: FC1 (+ SiLU·up in the
 epilogue) -> act [T·k, I] in sorted pair order, FC2 (x routing weight) -> y [T, k (+1), H], the deterministic

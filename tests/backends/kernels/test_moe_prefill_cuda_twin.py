@@ -1,5 +1,6 @@
 """A lane-level Python twin of the wgmma MoE prefill (``cuda/moe_prefill_wgmma.cu``): the work-tile search, every
-cp.async's source and shared-memory offset for the tokens, the K-major core-matrix reads that the B descriptor
+thread's cp.async copies of a stage (tokens, codes, scales; unwritten bytes poisoned), the K-major core-matrix
+reads that the B descriptor
 (LBO = 16 BT, SBO = 128) describes, each lane's prepacked words and scales (the routed experts in moe_cuda's layout,
 the tokens and FC1's act columns in its K order) decoded by the kernel's prmt / bf16 steps into its A fragment, the
 accumulator layout and both epilogues (FC1's up rows through shared memory) — run against the dense MoE. The CPU's check
@@ -62,40 +63,79 @@ def _find_work(offs: list[int], e: int, n_sh: int, t: int, bx: int, bt: int) -> 
     return 0, -1, 0, 0
 
 
+def _bf16_bits(v: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) of bf16-exact float values."""
+    return torch.from_numpy(np.ascontiguousarray(v, np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(
+        np.uint16)
+
+
+def _stage(src16: np.ndarray, xoff: list[int], codes: np.ndarray, scales: np.ndarray, tile0: int, tile1: int,
+           k: int, s: int, mx: bool, bt: int, wgs: int) -> np.ndarray:
+    """One ring buffer after stage s's cp.async copies, issued thread by thread as the kernel's issue() does (this
+    thread's XN token chunks, CN code chunks, one scale chunk); bytes nobody writes stay 0xFF (bf16 NaN)."""
+    threads, tiles = 128 * wgs, 4 * wgs
+    cb, sb = (1024, 32) if mx else (512, 256)
+    x_bytes, w_bytes = bt * 128, tiles * 1024
+    nst = k // 64
+    buf = np.full(x_bytes + w_bytes + tiles * 256, 0xFF, np.uint8)
+
+    def tile_of(t: int) -> int:
+        return tile0 + t if t < tiles // 2 else tile1 + t - tiles // 2
+
+    xn, cn = -(-bt * 8 // threads), cb // 512
+    for tid in range(threads):
+        for q in range(xn):
+            i = tid + q * threads
+            if i >= bt * 8:
+                continue
+            n, kc = (i // 2) % bt, 2 * (i // (2 * bt)) + (i & 1)
+            d = (kc * (bt // 8) + n // 8) * 128 + (n % 8) * 16
+            chunk = src16[xoff[n] + s * 64 + 8 * kc:][:8] if xoff[n] >= 0 else np.zeros(8, np.uint16)
+            buf[d:d + 16] = chunk.view(np.uint8)
+        for q in range(cn):
+            i = tid + q * threads
+            t, c = i // (cb // 16), i % (cb // 16)
+            o = tile_of(t) * nst * cb + s * cb + c * 16
+            buf[x_bytes + t * cb + c * 16:][:16] = codes[o:o + 16]
+        if tid < tiles * (sb // 16):
+            t, c = tid // (sb // 16), tid % (sb // 16)
+            o = tile_of(t) * (nst * sb if mx else k) + (s * sb if mx else (s >> 2) * sb) + c * 16
+            buf[x_bytes + w_bytes + t * sb + c * 16:][:16] = scales[o:o + 16]
+    return buf
+
+
 def _mainloop(src: np.ndarray, xoff: list[int], codes: np.ndarray, scales: np.ndarray, tile0: int, tile1: int,
               k: int, mx: bool, bt: int, wgs: int) -> np.ndarray:
-    """acc [64 wgs, bt] of one CTA, as the kernel's stages and steps compute it (float64 sums); warp t owns tile
-    tile0 + t (first half) or tile1 + t - 2 wgs."""
-    cb = 1024 if mx else 512
-    nst = k // 64
+    """acc [64 wgs, bt] of one CTA, as the kernel's stages and steps compute it (float64 sums) from its shared
+    memory: the tokens through the B descriptor's core matrices, each lane's codes and scales at its offsets."""
+    tiles = 4 * wgs
+    cb, sb = (1024, 32) if mx else (512, 256)
+    x_bytes, w_bytes = bt * 128, tiles * 1024
+    src16 = _bf16_bits(src)
     acc = np.zeros((64 * wgs, bt))
-    for s in range(nst):
-        smem = np.zeros(bt * 64, np.float64)  # the stage's token tile, indexed in bf16 elements
-        for i in range(bt * 8):  # issue(): token n's 8-K chunk kc
-            n, kc = (i // 2) % bt, 2 * (i // (2 * bt)) + i % 2
-            d = (kc * (bt // 8) + n // 8) * 128 + (n % 8) * 16
-            smem[d // 2:][:8] = src[xoff[n] + s * 64 + 8 * kc:][:8] if xoff[n] >= 0 else np.zeros(8)
+    for s in range(k // 64):
+        buf = _stage(src16, xoff, codes, scales, tile0, tile1, k, s, mx, bt, wgs)
+        xs = torch.from_numpy(buf[:x_bytes].view(np.int16).copy()).view(torch.bfloat16).double().numpy()
         for step in range(4):  # the descriptor's reads: core matrix (K chunk kc, token group) at kc LBO + ng SBO
             b = np.zeros((16, bt))
             for kk in range(16):
                 for n in range(bt):
-                    b[kk, n] = smem[(step * bt * 32 + (kk // 8) * bt * 16 + (n // 8) * 128 + (n % 8) * 16
-                                     + (kk % 8) * 2) // 2]
+                    b[kk, n] = xs[(step * bt * 32 + (kk // 8) * bt * 16 + (n // 8) * 128 + (n % 8) * 16
+                                   + (kk % 8) * 2) // 2]
             a = np.zeros((64 * wgs, 16))
-            for warp in range(4 * wgs):
-                tile = tile0 + warp if warp < 2 * wgs else tile1 + warp - 2 * wgs
+            for warp in range(tiles):
+                wb, sbase = x_bytes + warp * cb, x_bytes + w_bytes + warp * sb
                 for lane in range(32):
                     g, j = lane >> 2, lane & 3
-                    cbase = (tile * nst + s) * cb + (lane * 32 if mx else lane * 16)
                     if mx:
-                        sbase = (tile * nst + s) * 32
-                        frag = _mx_frag((_u32(codes, cbase + 8 * step), _u32(codes, cbase + 8 * step + 4)),
-                                        2.0 ** (int(scales[sbase + 2 * g + step // 2]) - 127),
-                                        2.0 ** (int(scales[sbase + 2 * (g + 8) + step // 2]) - 127))
-                    else:  # moe_cuda's scales: [tile][super-chunk][lane][chunk][row g, g + 8]
-                        sbase = tile * k + (s // 4) * 256 + lane * 8 + (s % 4) * 2
-                        frag = _nvfp4_frag(_u32(codes, cbase + 4 * step), float(E4M3[scales[sbase]]),
-                                           float(E4M3[scales[sbase + 1]]))
+                        c0 = wb + lane * 32 + 8 * step
+                        frag = _mx_frag((_u32(buf, c0), _u32(buf, c0 + 4)),
+                                        2.0 ** (int(buf[sbase + 2 * g + step // 2]) - 127),
+                                        2.0 ** (int(buf[sbase + 2 * (g + 8) + step // 2]) - 127))
+                    else:  # moe_cuda's scales: [super-chunk][lane][chunk][row g, g + 8] of the tile
+                        o = sbase + lane * 8 + (s % 4) * 2
+                        frag = _nvfp4_frag(_u32(buf, wb + lane * 16 + 4 * step), float(E4M3[buf[o]]),
+                                           float(E4M3[buf[o + 1]]))
                     r0 = warp * 16
                     (a[r0 + g, 2 * j], a[r0 + g, 2 * j + 1]), (a[r0 + g + 8, 2 * j], a[r0 + g + 8, 2 * j + 1]) = \
                         frag[0], frag[1]
@@ -218,7 +258,7 @@ def _weights(e: int, h: int, inter: int, s: int, gen: torch.Generator):
     return nv(2 * inter, h), nv(h, inter), mx(2 * s, h), mx(h, s)
 
 
-@pytest.mark.parametrize("bt, wgs", [(16, 1), (8, 2)])
+@pytest.mark.parametrize("bt, wgs", [(16, 1), (8, 2), (128, 4)])
 def test_twin_matches_dense_moe(bt: int, wgs: int) -> None:
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     e, h, k, inter, s = 3, 256, 2, 256, 128  # K of the routed weights: whole 256-K super-chunks

@@ -1,9 +1,10 @@
 // MegaMoE prefill grouped GEMMs for sm_90a (H100 / H200): the routed NVFP4 experts (in the decode kernels' prepacked
 // layout, moe_cuda.prepack_nvfp4: one copy serves both) and the MXFP8 shared expert, decoded in registers straight
-// into the A operand of wgmma (bf16, A from registers, B = the tokens from shared memory). Layouts, tiling and numerics: m3c/backends/kernels/moe_prefill_cuda.py. No system headers (only
-// ptx_common.cuh): builds with a bare nvcc (PyPI).
+// into the A operand of wgmma (bf16, A from registers, B = the tokens from shared memory). Layouts, tiling and
+// numerics: m3c/backends/kernels/moe_prefill_cuda.py. No system headers (only ptx_common.cuh): builds with a bare
+// nvcc (PyPI).
 //
-// A CTA owns ROWS = 64 WGS weight rows (warp w: the 16-row tile w) x BT tokens of one expert (or of the shared
+// A CTA owns ROWS = 64 WGS weight rows (warp w: a 16-row tile, tile_of) x BT tokens of one expert (or of the shared
 // expert); its K loop runs in stages of 64 K: the tokens (16-byte cp.async per 8 K of a row, zero-filled past the
 // tile's end), the prepacked codes and scales of the stage go through a STAGES-deep cp.async ring, and each warpgroup
 // issues four m64nBTk16 wgmma per stage, decoding step t + 1's A fragments while step t runs.
