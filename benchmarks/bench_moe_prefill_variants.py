@@ -59,6 +59,12 @@ def nvfp4_stack(n: int, k: int, gen: torch.Generator) -> quant.NVFP4Tensor:
                              torch.stack([p.global_scale for p in parts]))
 
 
+def mxfp8_shared(gen: torch.Generator) -> tuple[quant.MXFP8Tensor, quant.MXFP8Tensor]:
+    """Random MXFP8 shared-expert weights ([2S, H], [H, S])."""
+    return (quant.mxfp8_quantize(torch.randn(2 * S, H, device="cuda", generator=gen) / H**0.5),
+            quant.mxfp8_quantize(torch.randn(H, S, device="cuda", generator=gen) / S**0.5))
+
+
 def bf16_stack(w: quant.NVFP4Tensor) -> torch.Tensor:
     return torch.stack([quant.nvfp4_dequantize(quant.NVFP4Tensor(w.data[e], w.scale[e], w.global_scale[e]),
                                                torch.bfloat16) for e in range(E)])
@@ -96,8 +102,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
     w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
-    sh13 = quant.mxfp8_quantize(torch.randn(2 * S, H, device="cuda", generator=gen) / H**0.5)
-    sh2 = quant.mxfp8_quantize(torch.randn(H, S, device="cuda", generator=gen) / S**0.5)
+    sh13, sh2 = mxfp8_shared(gen)
     w13_t = bf16_stack(w13).transpose(-2, -1)  # [E, H, 2I] column-major, as _grouped_mm wants
     w2_t = bf16_stack(w2).transpose(-2, -1)
     s13, s2 = quant.mxfp8_dequantize(sh13, torch.bfloat16), quant.mxfp8_dequantize(sh2, torch.bfloat16)

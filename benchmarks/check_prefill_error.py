@@ -10,17 +10,15 @@ import torch
 
 sys.path.insert(0, "benchmarks")
 sys.path.insert(0, "tests/backends/kernels")
-from bench_moe_prefill_variants import E, H, I, K, S, nvfp4_stack
+from bench_moe_prefill_variants import E, H, I, K, mxfp8_shared, nvfp4_stack
 from test_moe_prefill import _reference
 
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.backends.kernels import moe_prefill_cuda as pc
-from m3c.model_defs import quant
 
 gen = torch.Generator(device="cuda").manual_seed(1)
 w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
-sh13 = quant.mxfp8_quantize(torch.randn(2 * S, H, device="cuda", generator=gen) / H**0.5)
-sh2 = quant.mxfp8_quantize(torch.randn(H, S, device="cuda", generator=gen) / S**0.5)
+sh13, sh2 = mxfp8_shared(gen)
 t = 2048
 x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
 ids = torch.rand(t, E, device="cuda", generator=gen).topk(K, dim=1).indices

@@ -11,11 +11,10 @@ import argparse
 
 import torch
 from _timing import kernel_times
-from bench_moe_prefill_variants import E, H, I, K, S, nvfp4_stack
+from bench_moe_prefill_variants import E, H, I, K, S, mxfp8_shared, nvfp4_stack
 
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.backends.kernels import moe_prefill_cuda as pc
-from m3c.model_defs import quant
 
 
 def main() -> None:
@@ -25,8 +24,7 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
-    sh13 = quant.mxfp8_quantize(torch.randn(2 * S, H, device="cuda", generator=gen) / H**0.5)
-    sh2 = quant.mxfp8_quantize(torch.randn(H, S, device="cuda", generator=gen) / S**0.5)
+    sh13, sh2 = mxfp8_shared(gen)
     t = args.tokens
     x = torch.randn(t, H, device="cuda", generator=gen).bfloat16()
     ids = torch.rand(t, E, device="cuda", generator=gen).topk(K, dim=1).indices

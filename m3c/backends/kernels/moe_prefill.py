@@ -802,6 +802,19 @@ def _check_tiles(lay: Layout, tiles: Tiles) -> None:
         raise ShapeError(f"tiling {tiles} does not fit hidden={h}, inter={i}, shared_inter={s}: " + "; ".join(bad))
 
 
+def checked_permutation(permutation: tuple[torch.Tensor, torch.Tensor] | None, ids: torch.Tensor,
+                        experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's (order, offsets) for ids [T, k], checked (int32 [T·k], int32 [E + 1]), or
+    :func:`expert_permutation`'s."""
+    p = ids.numel()
+    order, offs = permutation if permutation is not None else expert_permutation(ids, experts)
+    if order.dtype != torch.int32 or tuple(order.shape) != (p,) or offs.dtype != torch.int32 \
+            or tuple(offs.shape) != (experts + 1,):
+        raise ShapeError(f"permutation must be (int32 [{p}] pair order, int32 [{experts + 1}] expert offsets), got "
+                         f"{order.dtype} {tuple(order.shape)}, {offs.dtype} {tuple(offs.shape)}")
+    return order, offs
+
+
 def _launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: Any, w2: Any,
             shared_w13: Any, shared_w2: Any, lay: Layout, tiles: Tiles, runner: Runner,
             out: torch.Tensor | None, permutation: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -835,11 +848,7 @@ def _launch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     bm = tiles.bm
     p = t * k
     # 1. permutation (pairs sorted stably by expert, expert row offsets): the caller's, or made here
-    order, offs = permutation if permutation is not None else expert_permutation(ids, e)
-    if order.dtype != torch.int32 or tuple(order.shape) != (p,) or offs.dtype != torch.int32 \
-            or tuple(offs.shape) != (e + 1,):
-        raise ShapeError(f"permutation must be (int32 [{p}] pair order, int32 [{e + 1}] expert offsets), got "
-                         f"{order.dtype} {tuple(order.shape)}, {offs.dtype} {tuple(offs.shape)}")
+    order, offs = checked_permutation(permutation, ids, e)
     n_sh = triton.cdiv(t, bm) if has_sh else 0
     m_tiles = n_sh + min(triton.cdiv(p, bm) + e, p)
     slots = k + int(has_sh)

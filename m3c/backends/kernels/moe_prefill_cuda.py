@@ -43,7 +43,6 @@ from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.backends.kernels.host import derived
 from m3c.backends.kernels.moe_cuda import CaptureError, is_prepacked, packed_pair
-from m3c.backends.kernels.moe_routing import expert_permutation
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
 from m3c.errors import ConfigError, ShapeError, TargetError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -203,11 +202,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.float().contiguous().view(-1)
     p = t * k
-    order, offs = permutation if permutation is not None else expert_permutation(ids, e)
-    if order.dtype != torch.int32 or tuple(order.shape) != (p,) or offs.dtype != torch.int32 \
-            or tuple(offs.shape) != (e + 1,):
-        raise ShapeError(f"permutation must be (int32 [{p}] pair order, int32 [{e + 1}] expert offsets), got "
-                         f"{order.dtype} {tuple(order.shape)}, {offs.dtype} {tuple(offs.shape)}")
+    order, offs = mp.checked_permutation(permutation, ids, e)
     if not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
         raise TargetError(f"moe_prefill_wgmma: the wgmma kernels run on sm_90 (H100 / H200) only, x is on {x.device}"
                           " (megamoe runs moe_prefill there)")
