@@ -33,7 +33,6 @@
 
 #include "ptx_common.cuh"
 
-__device__ __forceinline__ float bf16_round(float v) { return __uint_as_float(((u32)bf16_bits(v)) << 16); }
 __device__ __forceinline__ float load_act(const void* x, long i) {
 #if ACT_BF16
   return __uint_as_float(((u32)((const u16*)x)[i]) << 16);
@@ -127,8 +126,7 @@ __device__ __forceinline__ void act_pair(const float* hp, long split, int K, int
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
 #if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
-    const float g = bf16_round(gs[e]), u = bf16_round(us[e]);
-    v[e] = bf16_round(bf16_round(g / (1.f + __expf(-g))) * u);
+    v[e] = silu_mul_bf16(gs[e], us[e]);
 #else
     v[e] = gs[e] / (1.f + expf(-gs[e])) * us[e];
 #endif

@@ -106,8 +106,6 @@ __device__ __forceinline__ u32 e8m0_pair(u32 e) {  // 2^(e - 127) as a bf16 pair
   const u32 b = e == 0u ? 0x0040u : (e == 255u ? 0x7FC0u : e << 7);
   return b | (b << 16);
 }
-__device__ __forceinline__ float bf16_round(float v) { return __uint_as_float(((u32)bf16_bits(v)) << 16); }
-__device__ __forceinline__ float bf16_float(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
 // d[0..32) += A (the warpgroup's 64 rows x 16 K, bf16 registers) . B (16 K x 64 tokens, shared memory).
 __device__ __forceinline__ void wgmma_n64(float (&d)[32], const u32 (&a)[4], unsigned long long desc) {
@@ -397,9 +395,7 @@ moe_pf_fc1(const u16* x, const u16* xp, const int* order, const int* offs, const
       if (col < w.count) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float gv = bf16_round(acc[4 * i + 2 * h + u] * (h ? f8 : f0));
-          const float uv = bf16_round(upv[(r + 8 * h) * LD + col]);
-          const float v = bf16_round(bf16_round(gv / (1.f + __expf(-gv))) * uv);
+          const float v = silu_mul_bf16(acc[4 * i + 2 * h + u] * (h ? f8 : f0), upv[(r + 8 * h) * LD + col]);
           out[(long)(w.p0 + col) * N + (h ? c8 : c0)] = bf16_bits(v);
         }
       }

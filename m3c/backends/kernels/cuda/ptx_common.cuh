@@ -38,6 +38,12 @@ __device__ __forceinline__ u16 bf16_bits(float v) {  // round to nearest even
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
   return b;
 }
+__device__ __forceinline__ float bf16_round(float v) { return __uint_as_float(((u32)bf16_bits(v)) << 16); }
+// SiLU(gate) * up as the reference's bf16 model computes it: gate, up, SiLU(gate) and the product rounded to bf16.
+__device__ __forceinline__ float silu_mul_bf16(float gate, float up) {
+  const float g = bf16_round(gate), u = bf16_round(up);
+  return bf16_round(bf16_round(g / (1.f + __expf(-g))) * u);
+}
 __device__ __forceinline__ u32 f32x2_to_f16x2(float lo, float hi) {
   u32 r;
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
