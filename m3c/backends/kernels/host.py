@@ -50,6 +50,12 @@ def derived(source: torch.Tensor, tag: str, make: Callable[[], torch.Tensor]) ->
     return hit[1]
 
 
+def derived_ready(source: torch.Tensor, tag: str) -> bool:
+    """Whether :func:`derived` holds a current `tag` for `source` (a call would not rebuild it): what a launch inside
+    CUDA-graph capture, which must not build anything, checks first."""
+    return getattr(source, "_m3c_derived", {}).get(tag, (None,))[0] == source._version
+
+
 _T = TypeVar("_T")
 _PERSISTENT: dict[tuple, Any] = {}
 
@@ -61,3 +67,9 @@ def persistent(key: tuple, make: Callable[[], _T]) -> _T:
     if key not in _PERSISTENT:
         _PERSISTENT[key] = make()
     return _PERSISTENT[key]
+
+
+def persistent_ready(key: tuple) -> bool:
+    """Whether :func:`persistent` already made the object of `key`."""
+    return key in _PERSISTENT
+

@@ -55,7 +55,7 @@ import torch
 import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec
-from m3c.backends.kernels.host import derived, persistent
+from m3c.backends.kernels.host import derived, derived_ready, persistent
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, M3CError, ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -414,13 +414,11 @@ class CaptureError(M3CError, RuntimeError):
 
 def is_prepacked(*weights: Any) -> bool:
     """Whether every weight's prepacked copy is already built (and current)."""
-    def ready(t: torch.Tensor, tag: str) -> bool:
-        return getattr(t, "_m3c_derived", {}).get(tag, (None,))[0] == t._version
-
     for w in weights:
-        if isinstance(w, NVFP4Tensor) and not (ready(w.data, _TAG_CODES) and ready(w.scale, _TAG_SCALES)):
+        if isinstance(w, NVFP4Tensor) and not (derived_ready(w.data, _TAG_CODES)
+                                               and derived_ready(w.scale, _TAG_SCALES)):
             return False
-        if isinstance(w, MXFP8Tensor) and not ready(w.data, _TAG_CODES):
+        if isinstance(w, MXFP8Tensor) and not derived_ready(w.data, _TAG_CODES):
             return False
     return True
 

@@ -90,7 +90,7 @@ from m3c.backends.kernels.fp_codes import (
     e8m0_to_f32,
     to_stored,
 )
-from m3c.backends.kernels.host import derived, interpreting
+from m3c.backends.kernels.host import derived, derived_ready, interpreting
 from m3c.backends.kernels.moe_operands import a_tile, dot_nt, row_factor, w_tile
 from m3c.backends.kernels.moe_routing import expert_permutation
 from m3c.backends.kernels.moe_swap import fc1_swap, fc2_swap
@@ -691,6 +691,13 @@ def nvfp4_row_scales(w: NVFP4Tensor, lead: tuple[int, ...], who: str) -> torch.T
         g = derived(src, f"rows {lead}", lambda: src.to(torch.float32).reshape(-1, 1).expand(
             lead[0], rows // lead[0]).reshape(*lead, 1).contiguous())
     return g.to(torch.float32).reshape(*lead, 1).contiguous()
+
+
+def nvfp4_row_scales_ready(w: NVFP4Tensor, lead: tuple[int, ...]) -> bool:
+    """Whether :func:`nvfp4_row_scales` would return without building anything (per-row scales, or the expansion
+    already made for this version of the scale)."""
+    g = w.global_scale
+    return g is not None and (g.numel() == math.prod(lead) or derived_ready(g, f"rows {lead}"))
 
 
 def weight_args(w: Any, fmt: str, shape: tuple[int, ...], who: str) -> tuple[torch.Tensor, torch.Tensor,

@@ -41,9 +41,9 @@ import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels import moe_prefill as mp
-from m3c.backends.kernels.host import derived
+from m3c.backends.kernels.host import derived, derived_ready, persistent, persistent_ready
 from m3c.backends.kernels.moe_cuda import CaptureError, is_prepacked, packed_pair
-from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
+from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, ShapeError, TargetError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 
@@ -139,31 +139,24 @@ def _packed_shared(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return derived(w.data, _TAG, lambda: _mx_codes(w.data)), derived(w.scale, _TAG, lambda: _mx_scales(w.scale))
 
 
-_K_ORDERS: dict[tuple[str, int], torch.Tensor] = {}
+def _k_order_key(device: torch.device, k: int) -> tuple:
+    return ("moe_prefill_cuda k_order", str(device), k)
 
 
 def _k_order_on(device: torch.device, k: int) -> torch.Tensor:
     """:func:`k_order` on a device, built once per (device, k)."""
-    key = (str(device), k)
-    if key not in _K_ORDERS:
-        _K_ORDERS[key] = k_order(k, device)
-    return _K_ORDERS[key]
+    return persistent(_k_order_key(device, k), lambda: k_order(k, device))
 
 
 def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any) -> bool:
     """Whether everything a first call builds for these weights exists and is current (the routed prepacked copy, the
     shared expert's, the per-row tensor scales' expansion, the tokens' K order): a call inside CUDA-graph capture
     must not build any of it (its values would exist only from the first replay on)."""
-    def has(t: torch.Tensor, tag: str) -> bool:
-        return getattr(t, "_m3c_derived", {}).get(tag, (None,))[0] == t._version
-
     e, two_i, h = w13.shape
-    ok = is_prepacked(w13, w2) and (str(x.device), h) in _K_ORDERS
-    for w, lead in ((w13, (e, two_i)), (w2, (e, h))):
-        g = w.global_scale
-        ok = ok and g is not None and (g.numel() == math.prod(lead) or has(g, f"rows {lead}"))
+    ok = is_prepacked(w13, w2) and persistent_ready(_k_order_key(x.device, h))
+    ok = ok and mp.nvfp4_row_scales_ready(w13, (e, two_i)) and mp.nvfp4_row_scales_ready(w2, (e, h))
     for w in (shared_w13, shared_w2):
-        ok = ok and (w is None or (has(w.data, _TAG) and has(w.scale, _TAG)))
+        ok = ok and (w is None or (derived_ready(w.data, _TAG) and derived_ready(w.scale, _TAG)))
     return ok
 
 
@@ -242,12 +235,6 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
            [x, xp, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k])
     runner(fc2, (m_tiles, h // rows),
            [act, sact, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots])
-    comb = combine_spec(lay)
-    tiles = mp._tile_options(lay, "large", False)
-    runner(comb, (triton.cdiv(t, tiles.bt), h // tiles.bh), (y, ids, out, t))
+    tiles = mp._tile_options(lay, "large", False)  # the deterministic combine: moe_prefill's Triton kernel
+    runner(mp._specs(lay, tiles, upcast=False)[2], (triton.cdiv(t, tiles.bt), h // tiles.bh), (y, ids, out, t))
     return out
-
-
-def combine_spec(lay: mp.Layout) -> KernelSpec:
-    """The deterministic combine (moe_prefill's Triton kernel) for this layout."""
-    return mp._specs(lay, mp._tile_options(lay, "large", False), upcast=False)[2]
