@@ -125,6 +125,13 @@ def main() -> None:
         default = mp._tile_options(lay, mp._bucket(lay, t), False)
         row["default_tiles"] = str(default)
         variants = {}
+
+        def measure(run, got: torch.Tensor, ref=ref, flops=flops, row=row) -> dict:
+            """One variant's row: plain and graph-replayed ms, difference from the default tiling, rates."""
+            ms = bench(run)
+            return {"ms": ms, "graph_ms": bench_graph(run),
+                    "rel_vs_default": float((got.float() - ref.float()).norm() / ref.float().norm()),
+                    "tflops": flops / ms / 1e9, "speedup_vs_grouped_mm": row["grouped_mm_ms"] / ms}
         for tiles in VARIANTS[:1] if args.triton_default_only else VARIANTS:
             tiles = tiles or default
             name = f"bm{tiles.bm}_bn{tiles.bn1}x{tiles.bn2}_bk{tiles.bk}_w{tiles.warps}_s{tiles.stages}"
@@ -141,10 +148,7 @@ def main() -> None:
                 variants[name] = {"error": str(e)[:300]}
                 print(t, name, "failed:", str(e)[:200], flush=True)
                 continue
-            ms = bench(run)
-            variants[name] = {"ms": ms, "graph_ms": bench_graph(run),
-                              "rel_vs_default": float((got.float() - ref.float()).norm() / ref.float().norm()),
-                              "tflops": flops / ms / 1e9, "speedup_vs_grouped_mm": row["grouped_mm_ms"] / ms}
+            variants[name] = measure(run, got)
             print(t, name, variants[name], flush=True)
         builds = [tuple(int(v) for v in b.split(",")) for b in args.wgmma_builds] if args.wgmma_builds else \
             WGMMA_VARIANTS
@@ -159,10 +163,7 @@ def main() -> None:
             try:
                 got = run_w()
                 torch.cuda.synchronize()
-                ms = bench(run_w)
-                variants[name] = {"ms": ms, "graph_ms": bench_graph(run_w),
-                                  "rel_vs_default": float((got.float() - ref.float()).norm() / ref.float().norm()),
-                                  "tflops": flops / ms / 1e9, "speedup_vs_grouped_mm": row["grouped_mm_ms"] / ms}
+                variants[name] = measure(run_w, got)
             except Exception as e:  # reported, not fatal
                 variants[name] = {"error": str(e)[:300]}
             finally:
