@@ -26,6 +26,7 @@ CUDA-graph capturable for a fixed T. Byte floor: every touched expert's NVFP4 we
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,11 +118,13 @@ def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
     return call_support(x, w13, shared_w13, top_k) is None
 
 
-def _wgmma_ok(x: torch.Tensor, w13: Any, shared_w13: Any) -> bool:
-    """Whether the wgmma prefill kernels take this call (:data:`PREFILL_WGMMA`, an sm_90 device, the layout)."""
-    if not PREFILL_WGMMA or not x.is_cuda or torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
-    return moe_prefill_cuda.call_support(x, w13, shared_w13) is None
+def _prefill(x: torch.Tensor, w13: Any, shared_w13: Any) -> Callable[..., torch.Tensor]:
+    """The grouped-GEMM launcher for this call: the wgmma kernels where they take it (:data:`PREFILL_WGMMA`, an sm_90
+    device, the layout), else the Triton ones (both take moe_prefill's arguments)."""
+    if PREFILL_WGMMA and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) \
+            and moe_prefill_cuda.call_support(x, w13, shared_w13) is None:
+        return moe_prefill_cuda.moe_prefill_wgmma
+    return moe_prefill
 
 
 def _route_ok(x: torch.Tensor, gate_w: Any, top_k: int) -> bool:
@@ -176,9 +179,8 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
                               workspace=workspace)
         if _mma_ok(x, w13, shared_w13, top_k):
             return moe_decode_mma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
-        prefill = moe_prefill_cuda.moe_prefill_wgmma if _wgmma_ok(x, w13, shared_w13) else moe_prefill
-        return prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
-                       permutation=(seg.sorted_pairs, seg.offsets))
+        return _prefill(x, w13, shared_w13)(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
+                                            permutation=(seg.sorted_pairs, seg.offsets))
     ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                              norm_topk_prob=norm_topk_prob)
     weights = weights.to(torch.float32)
@@ -188,7 +190,4 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
         seg = expert_segments(ids, w13.data.shape[0])
         return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                           workspace=workspace)
-    if _wgmma_ok(x, w13, shared_w13):
-        return moe_prefill_cuda.moe_prefill_wgmma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner,
-                                                  out=out)
-    return moe_prefill(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
+    return _prefill(x, w13, shared_w13)(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
