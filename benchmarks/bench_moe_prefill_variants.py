@@ -12,6 +12,8 @@ intermediate 1536; bf16 tokens; T = 512, 4096, 16384 with uniform random routing
   GEMMs alone;
 * the FLOP floor at 750 TFLOP/s (bf16) and the NVFP4 weight byte floor at 4.28 TB/s.
 
+``--wgmma-precision bf16 fp8`` times each wgmma build with bf16 and with E4M3 routed tiles.
+
 Goal: ours >= 1.5× grouped_mm at T >= 4096. Writes JSON to $OUT (or benchmarks/results).
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_prefill_variants.py [--tokens 512 4096 16384]
@@ -96,8 +98,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
     ap.add_argument("--triton-default-only", action="store_true", help="of the Triton tilings, time the default")
     ap.add_argument("--no-wgmma", action="store_true", help="skip the CUDA C++ wgmma kernels (moe_prefill_cuda)")
-    ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES",
+    ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES[,INFLIGHT[,PROMOTE]]",
                     help="wgmma builds to time (default: WGMMA_VARIANTS)")
+    ap.add_argument("--wgmma-precision", nargs="+", default=["bf16"], choices=pc.PRECISIONS,
+                    help="routed-tile precisions of each wgmma build (fp8 builds take BT 128 only)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
@@ -152,14 +156,17 @@ def main() -> None:
             print(t, name, variants[name], flush=True)
         builds = [tuple(int(v) for v in b.split(",")) for b in args.wgmma_builds] if args.wgmma_builds else \
             WGMMA_VARIANTS
-        for bt, wgs, stages in [] if args.no_wgmma else builds:
-            name = f"wgmma_bt{bt}_wg{wgs}_s{stages}"
-            saved = (pc.BT, pc.WGS, pc.STAGES)
-            pc.BT, pc.WGS, pc.STAGES = bt, wgs, stages
+        builds = [(*b, *(1, 0)[len(b) - 3:]) for b in builds]  # INFLIGHT 1, PROMOTE 0 unless given
+        for bt, wgs, stages, inflight, promote, prec in [] if args.no_wgmma else [
+                (*b, pr) for b in builds for pr in args.wgmma_precision if pr == "bf16" or b[0] == 128]:
+            name = f"wgmma_bt{bt}_wg{wgs}_s{stages}" + (f"_f{inflight}" if inflight > 1 else "") + \
+                ("" if prec == "bf16" else f"_{prec}") + ("_promote" if promote and prec == "fp8" else "")
+            saved = (pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE)
+            pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE = bt, wgs, stages, inflight, bool(promote)
             out = torch.empty_like(x)
 
-            def run_w(out=out, a=(x, ids, wts, w13, w2, sh13, sh2)):
-                return pc.moe_prefill_wgmma(*a, out=out)
+            def run_w(out=out, a=(x, ids, wts, w13, w2, sh13, sh2), prec=prec):
+                return pc.moe_prefill_wgmma(*a, out=out, precision=prec)
             try:
                 got = run_w()
                 torch.cuda.synchronize()
@@ -167,7 +174,7 @@ def main() -> None:
             except Exception as e:  # reported, not fatal
                 variants[name] = {"error": str(e)[:300]}
             finally:
-                pc.BT, pc.WGS, pc.STAGES = saved
+                pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE = saved
             print(t, name, variants[name], flush=True)
         row["variants"] = variants
         best = min((v["ms"], k) for k, v in variants.items() if "ms" in v)

@@ -1,5 +1,5 @@
 """Where the MegaMoE prefill's time goes, kernel by kernel (torch.profiler), at m3.1-small shapes: the wgmma path
-(``moe_prefill_cuda``) and the Triton grouped GEMM, with each GEMM kernel's TFLOP/s. Also the target to run under
+(``moe_prefill_cuda``, bf16 and fp8 routed tiles) and the Triton grouped GEMM, with each GEMM kernel's TFLOP/s. Also the target to run under
 ``ncu -k regex:moe_pf_fc1 --launch-count 1`` (``--once``: one call of the wgmma path, no profiler).
 
 Usage (H200): PYTHONPATH=. python benchmarks/profile_moe_prefill.py [--tokens 4096] [--once]
@@ -21,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--once", action="store_true", help="one warm call of the wgmma path (for ncu), nothing else")
+    ap.add_argument("--precision", default="bf16", choices=pc.PRECISIONS, help="the wgmma routed tiles' (--once)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
@@ -31,14 +32,16 @@ def main() -> None:
     wts = torch.rand(t, K, device="cuda", generator=gen)
     a = (x, ids, wts, w13, w2, sh13, sh2)
     if args.once:
-        pc.moe_prefill_wgmma(*a)
+        pc.moe_prefill_wgmma(*a, precision=args.precision)
         torch.cuda.synchronize()
-        pc.moe_prefill_wgmma(*a)
+        pc.moe_prefill_wgmma(*a, precision=args.precision)
         torch.cuda.synchronize()
         return
     fc1_flop = 2 * t * K * H * 2 * I + 2 * t * H * 2 * S
     fc2_flop = 2 * t * K * I * H + 2 * t * S * H
-    for name, fn in (("wgmma", lambda: pc.moe_prefill_wgmma(*a)), ("triton", lambda: mp.moe_prefill(*a))):
+    for name, fn in (("wgmma", lambda: pc.moe_prefill_wgmma(*a, precision="bf16")),
+                     ("wgmma fp8", lambda: pc.moe_prefill_wgmma(*a, precision="fp8")),
+                     ("triton", lambda: mp.moe_prefill(*a))):
         print(f"T = {t}, {name}:")
         for k, us in kernel_times(fn, calls=10).items():
             flop = fc1_flop if "fc1" in k else fc2_flop if "fc2" in k else 0

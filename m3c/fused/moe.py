@@ -22,8 +22,9 @@ from torch import nn
 from m3c.backends.kernels.host import interpreting
 from m3c.backends.kernels.megamoe import megamoe, megamoe_supported
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, shared_format
+from m3c.backends.kernels.moe_prefill_cuda import PRECISIONS
 from m3c.backends.kernels.moe_routing import gate_weight
-from m3c.errors import ShapeError
+from m3c.errors import ConfigError, ShapeError
 from m3c.model_defs import quant
 from m3c.model_defs.config import M3Config, QuantScheme
 from m3c.model_defs.layers import MoE, routed_experts
@@ -38,14 +39,19 @@ class MegaMoE(nn.Module):
     """Fused MoE block: ``forward(x [T, H]) -> [T, H]`` in x's dtype (bf16 or float32).
 
     ``w13`` NVFP4 [E, 2I, H] (gate rows then up), ``w2`` NVFP4 [E, H, I], ``gate_w`` bf16 [E, H] (or MXFP8),
-    ``bias`` float32 [E]; shared weights MXFP8Tensor / bf16 ([2S, H], [H, S]) or None.
+    ``bias`` float32 [E]; shared weights MXFP8Tensor / bf16 ([2S, H], [H, S]) or None. ``prefill_precision``
+    ("bf16" / "fp8", None: the default): the wgmma prefill's routed tiles (see :func:`megamoe`).
     """
 
     def __init__(self, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: torch.Tensor, w13: quant.NVFP4Tensor,
                  w2: quant.NVFP4Tensor, shared_w13: Any = None, shared_w2: Any = None, *, top_k: int,
-                 routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True, decode_kernel: bool = False) -> None:
+                 routed_scaling_factor: float = 1.0, norm_topk_prob: bool = True, decode_kernel: bool = False,
+                 prefill_precision: str | None = None) -> None:
         super().__init__()
         self.decode_kernel = decode_kernel  # see megamoe(): kept for tuning; the default paths are faster
+        if prefill_precision not in (None, *PRECISIONS):
+            raise ConfigError(f"prefill_precision={prefill_precision!r}: expected one of {PRECISIONS}")
+        self.prefill_precision = prefill_precision  # see megamoe(): the wgmma prefill's routed tiles
         if not isinstance(w13, quant.NVFP4Tensor) or not isinstance(w2, quant.NVFP4Tensor):
             raise ShapeError("MegaMoE takes NVFP4 routed experts (quant.NVFP4Tensor for w13 and w2)")
         e, n1, h = w13.data.shape[0], w13.data.shape[1], w13.data.shape[2] * 2
@@ -76,7 +82,7 @@ class MegaMoE(nn.Module):
         self._workspaces: dict[tuple[int, torch.dtype, torch.device], DecodeWorkspace] = {}
 
     @classmethod
-    def from_reference(cls, moe: MoE, decode_kernel: bool = False) -> MegaMoE:
+    def from_reference(cls, moe: MoE, decode_kernel: bool = False, prefill_precision: str | None = None) -> MegaMoE:
         """From a reference ``m3c.model_defs.layers.MoE`` block (its buffers are shared, not copied)."""
         if moe.w13.fmt != "nvfp4":
             raise ShapeError(f"the reference block's experts are {moe.w13.fmt}; MegaMoE takes NVFP4 experts")
@@ -88,7 +94,7 @@ class MegaMoE(nn.Module):
             s13, s2 = _as_shared(moe.shared[0]), _as_shared(moe.shared[1])
         return cls(moe.gate.weight, moe.e_score_correction_bias, w13, w2, s13, s2, top_k=cfg.num_experts_per_tok,
                    routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
-                   decode_kernel=decode_kernel)
+                   decode_kernel=decode_kernel, prefill_precision=prefill_precision)
 
     def weights(self) -> tuple[quant.NVFP4Tensor, quant.NVFP4Tensor, Any, Any]:
         """(w13, w2, shared_w13, shared_w2) as the kernels take them."""
@@ -137,7 +143,7 @@ class MegaMoE(nn.Module):
         w13, w2, s13, s2 = self.weights()
         return megamoe(x, self.gate_w32, self.bias, w13, w2, s13, s2, top_k=self.top_k,
                        routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=self.norm_topk_prob,
-                       workspace=ws, decode_kernel=self.decode_kernel)
+                       workspace=ws, decode_kernel=self.decode_kernel, prefill_precision=self.prefill_precision)
 
 
 def random_moe(hidden: int, inter: int, experts: int, top_k: int, shared: str, generator: torch.Generator,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from m3c.errors import ShapeError
+from m3c.errors import ConfigError, ShapeError
 from m3c.fused import MegaMoE
 from m3c.fused import moe as fused_moe
 from m3c.fused.moe import random_moe
@@ -63,6 +63,8 @@ def test_rejects_what_it_cannot_run(rng: torch.Generator) -> None:
     mm = MegaMoE.from_reference(random_moe(128, 64, 8, 2, "none", rng))
     with pytest.raises(ShapeError, match=r"\[T, 128\]"):
         mm(torch.randn(2, 64))
+    with pytest.raises(ConfigError, match="prefill_precision='fp4'"):
+        MegaMoE.from_reference(random_moe(128, 64, 8, 2, "none", rng), prefill_precision="fp4")
 
 
 @pytest.mark.gpu
@@ -73,3 +75,16 @@ def test_m31_small_gpu(rng: torch.Generator) -> None:
     for t in (1, 16, 64, 65, 512):
         x = torch.randn(t, 6144, generator=rng).to("cuda", torch.bfloat16)
         assert _rel(mm(x), moe(x.float())) < 2e-2, t
+
+
+@pytest.mark.gpu
+def test_m31_small_fp8_prefill_gpu(rng: torch.Generator) -> None:
+    """prefill_precision="fp8": the wgmma prefill's E4M3 routed tiles (a few percent from the float32 reference, not
+    the bf16 path's bits); decode sizes are unchanged (bf16 kernels)."""
+    moe = random_moe(6144, 1536, 64, 8, "mxfp8", cuda_generator(rng), device="cuda")
+    bf, f8 = MegaMoE.from_reference(moe), MegaMoE.from_reference(moe, prefill_precision="fp8")
+    x = torch.randn(16, 6144, generator=rng).to("cuda", torch.bfloat16)
+    assert torch.equal(f8(x), bf(x))
+    x = torch.randn(600, 6144, generator=rng).to("cuda", torch.bfloat16)
+    out, ref = f8(x), moe(x.float())
+    assert _rel(out, ref) < 8e-2 and not torch.equal(out, bf(x))

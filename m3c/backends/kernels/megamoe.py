@@ -26,6 +26,7 @@ CUDA-graph capturable for a fixed T. Byte floor: every touched expert's NVFP4 we
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +50,7 @@ from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, 
 from m3c.backends.kernels.moe_prefill import moe_prefill, moe_prefill_specs, moe_prefill_supported
 from m3c.backends.kernels.moe_routing import expert_segments, fused_route, gate_weight, moe_route, route_specs
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
-from m3c.errors import ShapeError
+from m3c.errors import ConfigError, ShapeError
 from m3c.model_defs import quant
 
 CUDA_ROUTE = True  # the CUDA decode path routes + stages in one launch (route_stage); False: GEMV + fused_route
@@ -118,12 +119,13 @@ def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
     return call_support(x, w13, shared_w13, top_k) is None
 
 
-def _prefill(x: torch.Tensor, w13: Any, shared_w13: Any) -> Callable[..., torch.Tensor]:
+def _prefill(x: torch.Tensor, w13: Any, shared_w13: Any, precision: str | None) -> Callable[..., torch.Tensor]:
     """The grouped-GEMM launcher for this call: the wgmma kernels where they take it (:data:`PREFILL_WGMMA`, an sm_90
-    device, the layout), else the Triton ones (both take moe_prefill's arguments)."""
+    device, the layout; their routed tiles in `precision`), else the Triton ones (bf16; both take moe_prefill's
+    arguments)."""
     if PREFILL_WGMMA and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) \
             and moe_prefill_cuda.call_support(x, w13, shared_w13) is None:
-        return moe_prefill_cuda.moe_prefill_wgmma
+        return functools.partial(moe_prefill_cuda.moe_prefill_wgmma, precision=precision)
     return moe_prefill
 
 
@@ -138,7 +140,7 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
             w2: quant.NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, top_k: int, routed_scaling_factor: float,
             norm_topk_prob: bool, runner: Runner = jit_run, out: torch.Tensor | None = None,
             workspace: DecodeWorkspace | None = None, exact_routing: bool = False,
-            decode_kernel: bool = False) -> torch.Tensor:
+            decode_kernel: bool = False, prefill_precision: str | None = None) -> torch.Tensor:
     """MoE output [T, H] in x's dtype (bf16 / float32): device routing, then decode (T <= 64) or prefill.
 
     ``gate_w`` bf16 [E, H] (or MXFP8Tensor), ``bias`` float32 [E]; ``w13`` NVFP4 [E, 2I, H] (gate rows then
@@ -148,6 +150,9 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     ``CUDA_ROUTE``), else :func:`fused_route` (router GEMV + one launch); pass ``gate_w`` in float32 to skip a
     conversion;
     ``exact_routing`` (and every prefill batch) uses the torch routing, bitwise ``MoE.route``.
+    ``prefill_precision`` ("bf16" / "fp8", default :data:`m3c.backends.kernels.moe_prefill_cuda.PRECISION`): the
+    wgmma grouped GEMMs' routed tiles (fp8: E4M3 weights, tokens and act, ~1.3x faster at T >= 4096 on the H200,
+    ~5% relative error instead of ~0.5%; benchmarks/RESULTS.md); other paths are bf16 whatever it says.
 
     Which path: on a CUDA device, T <= 16 runs the CUDA C++ decode kernels
     (:func:`m3c.backends.kernels.moe_cuda.moe_decode_mma`: NVFP4 decoded by byte permutes into mma.sync fragments,
@@ -157,6 +162,8 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
+    if prefill_precision not in (None, *moe_prefill_cuda.PRECISIONS):
+        raise ConfigError(f"prefill_precision={prefill_precision!r}: expected one of {moe_prefill_cuda.PRECISIONS}")
     t = x.shape[0]
     parts = [gate_w, bias, w13, w2, shared_w13, shared_w2]
     devices = {str(getattr(p, "data", p).device) for p in parts if p is not None}
@@ -179,7 +186,7 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
                               workspace=workspace)
         if _mma_ok(x, w13, shared_w13, top_k):
             return moe_decode_mma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
-        return _prefill(x, w13, shared_w13)(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
+        return _prefill(x, w13, shared_w13, prefill_precision)(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                                             permutation=(seg.sorted_pairs, seg.offsets))
     ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                              norm_topk_prob=norm_topk_prob)
@@ -190,4 +197,4 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
         seg = expert_segments(ids, w13.data.shape[0])
         return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                           workspace=workspace)
-    return _prefill(x, w13, shared_w13)(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
+    return _prefill(x, w13, shared_w13, prefill_precision)(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)

@@ -28,6 +28,18 @@ scales ``[tile][stage][16 rows][2]``. FC1's CTA owns 128 intermediate columns: w
 the up rows, which reach the gate warps through shared memory for SiLU·up. Numerics: weights exact in bf16 (value x
 E4M3 scale <= 6 significant bits; MXFP8 x E8M0 exact), float32 accumulation, the per-row NVFP4 tensor scale on the
 accumulator; act rounded as the reference's bf16 model (gate, up, SiLU(gate) and the product).
+
+``precision="fp8"`` (:data:`PRECISION` the default; the build's ``ROUTED_FP8``): the routed tiles run
+``wgmma.m64n128k32`` E4M3 x E4M3 in stages of 128 K (the same 128 bytes a token row a stage, the same prepacked
+weights). Each lane builds, per 64-K chunk, two 8-byte tables of E4M3(magnitude x its rows' scale x 2^-wexp)
+(``cvt.rn.satfinite.e4m3x2.f16x2``; :func:`fp8_exponent` keeps 6 x the largest scale in range) and turns each NVFP4
+word into two E4M3 A registers by a byte lookup and the sign bits — the rounding Blackwell's ``QMUL4`` does.
+The tokens and act are E4M3 with one float32 scale a row (amax / 448, the ``moe_pf_quant`` kernel; the tokens in
+:func:`fp8_k_order`); the shared expert's tiles stay bf16. H200, m3.1-small, T = 4096 (RESULTS.md, session 17):
+5.1 vs 6.9 ms (FC1 455 TFLOP/s, FC2 383), ~5% relative error vs the float64 reference instead of ~0.5%: the E4M3
+rounding of tokens, act and weights (~4.8%) and the tensor core's E4M3 accumulator, which keeps fewer bits than
+float32 (1.7% at K = 6144, growing with K; ``PROMOTE`` sums each 128-K stage in a fresh accumulator added in
+float32 — exact, but its second accumulator only fits the registers at 2 warpgroups, 7.8 ms).
 """
 
 from __future__ import annotations
@@ -50,10 +62,18 @@ from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
 SOURCE = "moe_prefill_wgmma.cu"
 WGS = 4  # warpgroups a CTA (64 weight rows each)
 BT = 128  # tokens a CTA (wgmma N: 64, 128 or 256)
-STAGES = 5  # cp.async ring depth (stages of 64 K; prefetch distance STAGES - 2)
+STAGES = 5  # cp.async ring depth (stages of 128 bytes a token row; prefetch distance STAGES - 2)
+INFLIGHT = 1  # wgmma groups a warpgroup leaves in flight after each step (1, 2 or 3)
+PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
 KST = 64
 ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128
+PRECISIONS = ("bf16", "fp8")
+PRECISION = "bf16"
+"""The routed tiles' MMA inputs by default: "bf16" (the weights exact, the tokens and act as given) or "fp8" (the
+NVFP4 weights x their E4M3 scale rounded to E4M3 as Blackwell's QMUL4 rounds, the tokens and act in E4M3 with a
+float32 scale a row: twice the MMA rate, ~2-3% error a product)."""
 _TAG = "wgmma prefill"
+_WEXP_TAG = "wgmma prefill fp8 exponent"
 
 
 def _smem(bt: int, wgs: int, stages: int) -> int:
@@ -77,30 +97,43 @@ def supported(hidden: int, inter: int, shared_inter: int, act_dtype: str, w13_fm
     return None
 
 
-def specs() -> tuple[CudaKernelSpec, CudaKernelSpec]:
-    """(FC1, FC2) CudaKernelSpecs of the current build settings (WGS, BT, STAGES; one build serves every layout:
-    the sizes are runtime arguments)."""
-    if BT not in (64, 128, 256) or WGS not in (1, 2, 4) or not 3 <= STAGES <= 8:
-        raise ConfigError(f"moe_prefill_cuda: BT {BT} (64 / 128 / 256), WGS {WGS} (1, 2, 4), STAGES {STAGES} (3..8)")
+def _precision(precision: str | None) -> str:
+    p = PRECISION if precision is None else precision
+    if p not in PRECISIONS:
+        raise ConfigError(f"moe_prefill_cuda: precision {p!r} is not one of {PRECISIONS}")
+    return p
+
+
+def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
+    """The CudaKernelSpecs of the current build settings (WGS, BT, STAGES; one build serves every layout: the sizes
+    are runtime arguments): (FC1, FC2), and for ``precision="fp8"`` (default :data:`PRECISION`) the row quantizer
+    that makes the E4M3 tokens and act."""
+    fp8 = _precision(precision) == "fp8"
+    if BT not in (64, 128, 256) or WGS not in (1, 2, 4) or not 3 <= STAGES <= 8 or (fp8 and BT != 128) \
+            or INFLIGHT not in (1, 2, 3) or (PROMOTE and WGS > 2):
+        raise ConfigError(f"moe_prefill_cuda: BT {BT} (64 / 128 / 256; 128 for fp8), WGS {WGS} (1, 2, 4), STAGES "
+                          f"{STAGES} (3..8), INFLIGHT {INFLIGHT} (1..3), PROMOTE {PROMOTE} (WGS <= 2)")
     if _smem(BT, WGS, STAGES) > 227 * 1024 - 1024 - 20 * BT:  # less the kernels' static arrays (20 B a token)
         raise ConfigError(f"moe_prefill_cuda: {STAGES} stages of BT {BT}, WGS {WGS} need "
                           f"{_smem(BT, WGS, STAGES)} bytes of shared memory, more than an H200 CTA has")
-    return _specs(BT, WGS, STAGES)
+    return _specs(BT, WGS, STAGES, fp8, INFLIGHT, PROMOTE and fp8)
 
 
 @functools.cache
-def _specs(bt: int, wgs: int, stages: int) -> tuple[CudaKernelSpec, CudaKernelSpec]:
-    d = (("WGS", wgs), ("BT", bt), ("STAGES", stages))
+def _specs(bt: int, wgs: int, stages: int, fp8: bool, inflight: int, promote: bool) -> tuple[CudaKernelSpec, ...]:
+    d = (("WGS", wgs), ("BT", bt), ("STAGES", stages), ("ROUTED_FP8", int(fp8)), ("INFLIGHT", inflight),
+         ("PROMOTE", int(promote)))
     smem = _smem(bt, wgs, stages)
 
-    def spec(kernel: str, args: str) -> CudaKernelSpec:
+    def spec(kernel: str, args: str, warps: int = 4 * wgs, shared: int = smem) -> CudaKernelSpec:
         types = tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())
-        return CudaKernelSpec("megamoe_prefill_wgmma", SOURCE, kernel, types, d, 4 * wgs, smem)
+        return CudaKernelSpec("megamoe_prefill_wgmma", SOURCE, kernel, types, d, warps, shared)
 
-    return (spec("moe_pf_fc1", "*x *xp *order *offs *rcode *rscale *rrow *scode *sscale *act *sact T n_sh H I S E "
-                 "topk"),
-            spec("moe_pf_fc2", "*act *sact *order *wts *offs *rcode *rscale *rrow *scode *sscale *y T n_sh H I S E "
-                 "topk slots"))
+    mm = (spec("moe_pf_fc1", "*x *xq *xs *order *offs *rcode *rscale *rrow *scode *sscale *act *sact T n_sh H I S E "
+               "topk wexp"),
+          spec("moe_pf_fc2", "*act *sact *as *order *wts *offs *rcode *rscale *rrow *scode *sscale *y T n_sh H I S E "
+               "topk slots wexp"))
+    return (*mm, spec("moe_pf_quant", "*src *dst *scale K permute", 8, 0)) if fp8 else mm
 
 
 def k_order(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -110,6 +143,24 @@ def k_order(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
     slot, step, base = pos % 16, (pos // 16) % 4, pos - pos % 64
     j, e = (slot % 8) // 2, slot % 2 + 2 * (slot // 8)
     return base + 16 * j + 4 * step + e
+
+
+def fp8_k_order(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The K index at each position of the fp8 build's K order (k a multiple of 64; its own inverse): in each 64-K
+    chunk, K 16 j + 4 t + e sits at 16 t + 4 j + e (the E4M3 k32 step's slots 4 j + e, 16 + 4 j + e hold what the
+    bf16 steps 2 v, 2 v + 1 hold at lane j)."""
+    n = torch.arange(k, device=device)
+    return n - n % 64 + 16 * ((n // 4) % 4) + 4 * ((n // 16) % 4) + n % 4
+
+
+def fp8_exponent(w: NVFP4Tensor) -> int:
+    """wexp >= 0 with 6 x (largest E4M3 scale of w) x 2^-wexp <= 448: the fp8 build decodes value x scale x
+    2^-wexp (in E4M3's range) and multiplies 2^wexp back on the accumulator. Computed once per weight version (one
+    host sync at the first call)."""
+    def make() -> torch.Tensor:
+        top = float(w.scale.float().abs().amax()) if w.scale.numel() else 0.0
+        return torch.tensor(max(0, math.ceil(math.log2(6.0 * top / 448.0))) if top > 0 else 0)
+    return int(derived(w.scale, _WEXP_TAG, make))
 
 
 def pack_mxfp8(data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,12 +199,16 @@ def _k_order_on(device: torch.device, k: int) -> torch.Tensor:
     return persistent(_k_order_key(device, k), lambda: k_order(k, device))
 
 
-def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any) -> bool:
+def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any,
+                precision: str | None = None) -> bool:
     """Whether everything a first call builds for these weights exists and is current (the routed prepacked copy, the
-    shared expert's, the per-row tensor scales' expansion, the tokens' K order): a call inside CUDA-graph capture
-    must not build any of it (its values would exist only from the first replay on)."""
+    shared expert's, the per-row tensor scales' expansion, the tokens' K order; for fp8 the weights' exponents): a
+    call inside CUDA-graph capture must not build any of it (its values would exist only from the first replay on)."""
     e, two_i, h = w13.shape
-    ok = is_prepacked(w13, w2) and persistent_ready(_k_order_key(x.device, h))
+    if _precision(precision) == "fp8":
+        ok = is_prepacked(w13, w2) and derived_ready(w13.scale, _WEXP_TAG) and derived_ready(w2.scale, _WEXP_TAG)
+    else:
+        ok = is_prepacked(w13, w2) and persistent_ready(_k_order_key(x.device, h))
     ok = ok and mp.nvfp4_row_scales_ready(w13, (e, two_i)) and mp.nvfp4_row_scales_ready(w2, (e, h))
     for w in (shared_w13, shared_w2):
         ok = ok and (w is None or (derived_ready(w.data, _TAG) and derived_ready(w.scale, _TAG)))
@@ -174,10 +229,13 @@ def call_support(x: torch.Tensor, w13: Any, shared_w13: Any) -> str | None:
 def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: NVFP4Tensor,
                       w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
                       out: torch.Tensor | None = None,
-                      permutation: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      permutation: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      precision: str | None = None) -> torch.Tensor:
     """:func:`m3c.backends.kernels.moe_prefill.moe_prefill` (same arguments and result) on the wgmma kernels: routed
-    NVFP4 experts + MXFP8 (or no) shared expert, bf16 tokens. The prepacked weights are built at the first call per
+    NVFP4 experts + MXFP8 (or no) shared expert, bf16 tokens; the routed tiles in ``precision`` (default
+    :data:`PRECISION`; the shared expert's are bf16 in both). The prepacked weights are built at the first call per
     weight (outside CUDA-graph capture)."""
+    fp8 = _precision(precision) == "fp8"
     lay = mp._layout(x, topk_ids, topk_weights, w13, w2, shared_w13, shared_w2)
     why = supported(lay.hidden, lay.inter, lay.shared_inter, lay.act_dtype, lay.w13_fmt, lay.shared_fmt)
     if why:
@@ -202,7 +260,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     for name, v in (("pair order", order), ("expert offsets", offs)):
         if v.device != x.device or not v.is_contiguous():
             raise ShapeError(f"permutation: the {name} must be a contiguous tensor on {x.device}, got {v.device}")
-    if torch.cuda.is_current_stream_capturing() and not state_ready(x, w13, w2, shared_w13, shared_w2):
+    if torch.cuda.is_current_stream_capturing() and not state_ready(x, w13, w2, shared_w13, shared_w2, precision):
         raise CaptureError("moe_prefill_wgmma: the prepacked weights (and the tokens' K order) are built at the first "
                            "call, which must run outside CUDA-graph capture: call once eagerly (a warm-up) first")
     mp.weight_args(w13, "nvfp4", (e, 2 * i, h), "w13")  # shape / dtype checks
@@ -219,7 +277,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         sc2, ss2 = _packed_shared(shared_w2)
     else:
         sc13 = ss13 = sc2 = ss2 = c13
-    fc1, fc2 = specs()
+    fc1, fc2, *quant = specs("fp8" if fp8 else "bf16")
     bt, rows = BT, 64 * WGS
     slots = k + int(has_sh)
     n_sh = triton.cdiv(t, bt) if has_sh else 0
@@ -230,11 +288,26 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if mp.POISON_WORKSPACES:
         for buf in (act, sact, y):
             buf.fill_(float("nan"))
-    xp = x.index_select(1, _k_order_on(x.device, h))
+    if fp8:  # E4M3 rows with a float32 scale each: the tokens (in the fp8 K order), then act
+        xq = torch.empty((t, h), dtype=torch.uint8, device=x.device)
+        xs = torch.empty((t,), dtype=torch.float32, device=x.device)
+        act8 = torch.empty((p, i), dtype=torch.uint8, device=x.device)
+        a_s = torch.empty((p,), dtype=torch.float32, device=x.device)
+        if mp.POISON_WORKSPACES:
+            for buf in (xq, act8):
+                buf.fill_(0x7F)  # E4M3 NaN
+            for buf in (xs, a_s):
+                buf.fill_(float("nan"))
+        e13, e2 = fp8_exponent(w13), fp8_exponent(w2)
+        runner(quant[0], (t,), [x, xq, xs, h, 1])
+    else:
+        xq, xs, act8, a_s, e13, e2 = x.index_select(1, _k_order_on(x.device, h)), wts, act, wts, 0, 0
     runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows),
-           [x, xp, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k])
+           [x, xq, xs, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k, e13])
+    if fp8:
+        runner(quant[0], (p,), [act, act8, a_s, i, 0])
     runner(fc2, (m_tiles, h // rows),
-           [act, sact, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots])
+           [act8, sact, a_s, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots, e2])
     tiles = mp._tile_options(lay, "large", False)  # the deterministic combine: moe_prefill's Triton kernel
     runner(mp._specs(lay, tiles, upcast=False)[2], (triton.cdiv(t, tiles.bt), h // tiles.bh), (y, ids, out, t))
     return out

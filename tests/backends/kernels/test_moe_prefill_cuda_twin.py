@@ -316,3 +316,51 @@ def test_supported_names_what_it_cannot_take() -> None:
     assert "multiple" in pc.supported(6000, 1536, 1536, "bf16", "nvfp4", "mxfp8")
     assert "multiples of 256" in pc.supported(6144, 1536 + 128, 1536, "bf16", "nvfp4", "mxfp8")
     assert "shared I" in pc.supported(6144, 1536, 100, "bf16", "nvfp4", "mxfp8")
+
+
+def _e4m3_byte(v: float) -> int:
+    """v rounded to E4M3 (nearest even, as cvt.rn.satfinite does below 448), as its byte."""
+    return int(torch.tensor(v, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def _e4m3_tables(scale: float) -> tuple[int, int]:
+    """e4m3_tables for one row: bytes E4M3(magnitude x scale) of the magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6."""
+    b = [_e4m3_byte(m * scale) for m in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)]
+    return (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24)
+
+
+def _nvfp4_e4m3(w: int, tg: tuple[int, int], tg8: tuple[int, int]) -> tuple[int, int]:
+    """The kernel's nvfp4_e4m3: a moe_cuda word -> (row g, row g + 8) registers of 4 E4M3 bytes (K e = 0..3)."""
+    m = w & 0x77777777
+    rg = _prmt(tg[0], tg[1], _prmt(m, 0, 0x0020)) | (w & 0x8080) | ((w << 20) & 0x80800000)
+    rg8 = _prmt(tg8[0], tg8[1], _prmt(m, 0, 0x0031)) | ((w >> 16) & 0x8080) | ((w << 4) & 0x80800000)
+    return rg, rg8
+
+
+def test_fp8_decode_gives_e4m3_of_each_weight_at_fp8_k_order() -> None:
+    """The fp8 build's lane decode (product tables, byte lookups, sign bits) of moe_cuda's prepacked words, placed in
+    wgmma's E4M3 A fragment (row g / g + 8 at K slots 4 j + e, 16 + 4 j + e of each k32 step), holds at fp8
+    position q exactly E4M3(value x scale x 2^-wexp) of the weight at K fp8_k_order[q]."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    w = torch.randn(16, 256, generator=gen) * torch.rand(16, 1, generator=gen) * 4
+    q = quant.nvfp4_quantize(w, w.abs().amax(-1, keepdim=True) / (6 * 448))  # scales up to 448: wexp 3
+    wexp = pc.fp8_exponent(q)
+    assert wexp == 3
+    qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(q.data, q.scale, None)) * 2.0**-wexp
+    want = qs.to(torch.float8_e4m3fn).float().numpy()[:, pc.fp8_k_order(256).numpy()]
+    codes, scales = (v.numpy() for v in moe_cuda.prepack_nvfp4(q.data, q.scale))
+    got = np.full((16, 256), np.nan)
+    for s8 in range(2):  # 128-K stages
+        for lane in range(32):
+            g, j = lane >> 2, lane & 3
+            sb = (s8 >> 1) * 256 + lane * 8 + (s8 & 1) * 4  # the u32 of chunks 2 (s8 % 2), + 1: (row g, g + 8) each
+            tabs = [(_e4m3_tables(float(E4M3[scales[sb + 2 * c]]) * 2.0**-wexp),
+                     _e4m3_tables(float(E4M3[scales[sb + 2 * c + 1]]) * 2.0**-wexp)) for c in range(2)]
+            for t in range(4):
+                chunk = 2 * s8 + (t >> 1)
+                w0, w1 = (_u32(codes, chunk * 512 + lane * 16 + 4 * (2 * (t & 1) + h)) for h in range(2))
+                regs = [*_nvfp4_e4m3(w0, *tabs[t >> 1]), *_nvfp4_e4m3(w1, *tabs[t >> 1])]  # a0 .. a3
+                for r, (row, slot) in enumerate(((g, 4 * j), (g + 8, 4 * j), (g, 16 + 4 * j), (g + 8, 16 + 4 * j))):
+                    for e in range(4):
+                        got[row, 128 * s8 + 32 * t + slot + e] = float(E4M3[(regs[r] >> (8 * e)) & 0xFF])
+    np.testing.assert_array_equal(got, want)
