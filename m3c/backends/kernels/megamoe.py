@@ -27,6 +27,7 @@ CUDA-graph capturable for a fixed T. Byte floor: every touched expert's NVFP4 we
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,9 @@ def _prefill(x: torch.Tensor, w13: Any, shared_w13: Any, precision: str | None) 
     if PREFILL_WGMMA and x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0) \
             and moe_prefill_cuda.call_support(x, w13, shared_w13) is None:
         return functools.partial(moe_prefill_cuda.moe_prefill_wgmma, precision=precision)
+    if precision == "fp8":
+        warnings.warn("megamoe: prefill_precision='fp8' runs only on the sm_90 wgmma kernels (NVFP4 experts, bf16 "
+                      "tokens, a layout they take); this call runs the bf16 Triton grouped GEMM", stacklevel=3)
     return moe_prefill
 
 

@@ -110,7 +110,7 @@ def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
     that makes the E4M3 tokens and act."""
     fp8 = _precision(precision) == "fp8"
     if BT not in (64, 128, 256) or WGS not in (1, 2, 4) or not 3 <= STAGES <= 8 or (fp8 and BT != 128) \
-            or INFLIGHT not in (1, 2, 3) or (PROMOTE and WGS > 2):
+            or INFLIGHT not in (1, 2, 3) or (PROMOTE and fp8 and WGS > 2):
         raise ConfigError(f"moe_prefill_cuda: BT {BT} (64 / 128 / 256; 128 for fp8), WGS {WGS} (1, 2, 4), STAGES "
                           f"{STAGES} (3..8), INFLIGHT {INFLIGHT} (1..3), PROMOTE {PROMOTE} (WGS <= 2)")
     if _smem(BT, WGS, STAGES) > 227 * 1024 - 1024 - 20 * BT:  # less the kernels' static arrays (20 B a token)
@@ -154,12 +154,13 @@ def fp8_k_order(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def fp8_exponent(w: NVFP4Tensor) -> int:
-    """wexp >= 0 with 6 x (largest E4M3 scale of w) x 2^-wexp <= 448: the fp8 build decodes value x scale x
-    2^-wexp (in E4M3's range) and multiplies 2^wexp back on the accumulator. Computed once per weight version (one
-    host sync at the first call)."""
+    """The smallest wexp in [-14, 14] with 6 x (largest E4M3 scale of w) x 2^-wexp <= 448: the fp8 build decodes
+    value x scale x 2^-wexp (the largest products near E4M3's top, small ones clear of its subnormals) and multiplies
+    2^wexp back on the accumulator. Computed once per weight version (one host sync at the first call)."""
     def make() -> torch.Tensor:
         top = float(w.scale.float().abs().amax()) if w.scale.numel() else 0.0
-        return torch.tensor(max(0, math.ceil(math.log2(6.0 * top / 448.0))) if top > 0 else 0)
+        e = math.ceil(math.log2(6.0 * top / 448.0)) if top > 0 else 0
+        return torch.tensor(min(14, max(-14, e)))
     return int(derived(w.scale, _WEXP_TAG, make))
 
 

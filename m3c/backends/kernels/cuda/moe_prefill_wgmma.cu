@@ -22,8 +22,11 @@
 #ifndef BT
 #define BT 128      // tokens per CTA (the MMA's N): 64, 128 or 256
 #endif
+#if ROUTED_FP8 && BT != 128
+#error "ROUTED_FP8 builds take BT 128 (wgmma m64n128k32)"
+#endif
 #ifndef STAGES
-#define STAGES 5    // cp.async ring depth (stages of 64 K; prefetch distance STAGES - 2)
+#define STAGES 5    // cp.async ring depth (stages of 128 bytes a token row; prefetch distance STAGES - 2)
 #endif
 #ifndef PROMOTE
 #define PROMOTE 0  // ROUTED_FP8: sum each 128-K stage's E4M3 products in a fresh accumulator, then add it in float32
@@ -216,9 +219,10 @@ __device__ __forceinline__ void e4m3_tables(u32 sp, u32 (&tg)[2], u32 (&tg8)[2])
 // One lane's NVFP4 word of a 16-K step (nvfp4_frag's packing) -> E4M3 x 4 of row g (K e = 0..3, nibbles 0, 1, 4, 5)
 // and of row g + 8 (nibbles 2, 3, 6, 7): magnitudes looked up in the rows' product tables, sign bits moved to bit 7.
 __device__ __forceinline__ void nvfp4_e4m3(u32 w, const u32 (&tg)[2], const u32 (&tg8)[2], u32& rg, u32& rg8) {
-  const u32 m = w & 0x77777777u;
-  rg = prmt(tg[0], tg[1], prmt(m, 0u, 0x0020u)) | (w & 0x8080u) | ((w << 20) & 0x80800000u);
-  rg8 = prmt(tg8[0], tg8[1], prmt(m, 0u, 0x0031u)) | ((w >> 16) & 0x8080u) | ((w << 4) & 0x80800000u);
+  // signs: row g's at w bits 7, 15 (bytes 0, 1) and 3, 11 (bytes 0, 1 of w << 4); row g + 8's at 23, 31 and 19, 27
+  const u32 m = w & 0x77777777u, w4 = w << 4;
+  rg = prmt(tg[0], tg[1], prmt(m, 0u, 0x0020u)) | (prmt(w, w4, 0x5410u) & 0x80808080u);
+  rg8 = prmt(tg8[0], tg8[1], prmt(m, 0u, 0x0031u)) | (prmt(w, w4, 0x7632u) & 0x80808080u);
 }
 
 // d[0..64) += A (the warpgroup's 64 rows x 32 K, E4M3 registers) . B (32 K x 128 tokens, E4M3 in shared memory).
@@ -393,7 +397,7 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
         wg_wait<INFLIGHT>(a[(t + NSETS - INFLIGHT) % NSETS]);
       }
     } else if (MODE == NV_E4M3) {
-#if ROUTED_FP8 && BT == 128
+#if ROUTED_FP8
       // two 64-K chunks (c = 2 (s % 2), c + 1 of the super-chunk); k32 step t: words 2 (t % 2), 2 (t % 2) + 1 of
       // chunk t / 2 (the bf16 steps' K 4 j + e at MMA slots 4 j + e and 16 + 4 j + e: fp8_pos)
       const uint4 c0 = *(const uint4*)(wb + lane * 16), c1 = *(const uint4*)(wb + 512 + lane * 16);
@@ -603,8 +607,8 @@ moe_pf_fc2(const u8* act, const u16* sact, const float* as, const int* order, co
   }
 }
 
-// Rows of bf16 [R, K] -> E4M3 [R, K] with one float32 scale a row (q = rn(v * 448 / amax), v ~= q * amax / 448; an
-// all-zero row: scale 0), the columns taken in fp8_pos order when `permute` (the tokens for FC1's routed tiles; FC1
+// Rows of bf16 [R, K] -> E4M3 [R, K] with one float32 scale a row (q = rn(v * 448 / amax), v ~= q * amax / 448; a
+// row with amax <= 2^-100, all-zero included: zeros, scale 0), the columns taken in fp8_pos order when `permute` (the tokens for FC1's routed tiles; FC1
 // writes act already in that order). One CTA (256 threads) a row; 16 outputs a thread and pass, K % 64 == 0.
 extern "C" __global__ void __launch_bounds__(256)
 moe_pf_quant(const u16* src, u8* dst, float* scale, int K, int permute, void* scratch0, void* scratch1) {
@@ -630,8 +634,9 @@ moe_pf_quant(const u16* src, u8* dst, float* scale, int K, int permute, void* sc
   m = red[0];
 #pragma unroll
   for (int i = 1; i < 8; ++i) m = fmaxf(m, red[i]);
-  const float inv = m > 0.f ? 448.f / m : 0.f;
-  if (threadIdx.x == 0) scale[row] = m / 448.f;
+  const bool live = m > 0x1p-100f;  // (448 / m overflows below ~1e-36: such a row is stored as zeros)
+  const float inv = live ? 448.f / m : 0.f;
+  if (threadIdx.x == 0) scale[row] = live ? m / 448.f : 0.f;
   u8* d = dst + row * K;
   for (int q0 = threadIdx.x * 16; q0 < K; q0 += 256 * 16) {
     u32 out[4];
