@@ -2,7 +2,7 @@
 # One device call's worth of checks, for the H200 machine (30 device minutes a session, 10 a call): run from
 # the repository root with PYTHONPATH=. and $OUT set; writes logs and JSON under $OUT and prints a summary.
 #
-#   bash benchmarks/device_check.sh tests        # every GPU test, four processes in parallel (~250 s)
+#   bash benchmarks/device_check.sh tests        # every GPU test, five processes in parallel (~300 s)
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points + CUDA kernels, MSA grid, traces (~330 s)
 #   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
 #   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with Triton
@@ -20,8 +20,10 @@ tests() {
   ($p tests/backends/kernels/test_msa_attention.py tests/backends/kernels/test_msa_attention_cuda.py \
      tests/fused/test_sparse_attention.py tests/runtime tests/frontend \
      > "$OUT/t_attn_runtime.log" 2>&1; echo "rc=$?" >> "$OUT/t_attn_runtime.log") &
-  ($p tests/backends/kernels/test_moe_prefill.py tests/backends/kernels/test_moe_prefill_cuda.py > "$OUT/t_moe_prefill.log" 2>&1
+  ($p tests/backends/kernels/test_moe_prefill.py > "$OUT/t_moe_prefill.log" 2>&1
    echo "rc=$?" >> "$OUT/t_moe_prefill.log") &
+  ($p tests/backends/kernels/test_moe_prefill_cuda.py > "$OUT/t_moe_prefill_cuda.log" 2>&1  # with the fp8 builds: its own
+   echo "rc=$?" >> "$OUT/t_moe_prefill_cuda.log") &
   ($p tests/backends/kernels/test_moe_routing.py tests/backends/kernels/test_qkv_fused.py \
      tests/backends/kernels/test_msa_indexer.py tests/backends/kernels/test_msa_indexer_cuda.py \
      > "$OUT/t_route_qkv_indexer.log" 2>&1
