@@ -1,6 +1,7 @@
 """Where the MegaMoE prefill's time goes, kernel by kernel (torch.profiler), at m3.1-small shapes: the wgmma path
-(``moe_prefill_cuda``, bf16 and fp8 routed tiles) and the Triton grouped GEMM, with each GEMM kernel's TFLOP/s. Also the target to run under
-``ncu -k regex:moe_pf_fc1 --launch-count 1`` (``--once``: one call of the wgmma path, no profiler).
+(``moe_prefill_cuda``, bf16 and fp8 routed tiles) and the Triton grouped GEMM, with each GEMM kernel's TFLOP/s.
+Also the target to run under ``ncu -k regex:moe_pf_fc1 --launch-count 1`` (``--once``: one call of the wgmma path,
+no profiler; ``--precision`` picks its routed tiles).
 
 Usage (H200): PYTHONPATH=. python benchmarks/profile_moe_prefill.py [--tokens 4096] [--once]
 """

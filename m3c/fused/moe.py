@@ -22,9 +22,9 @@ from torch import nn
 from m3c.backends.kernels.host import interpreting
 from m3c.backends.kernels.megamoe import megamoe, megamoe_supported
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, shared_format
-from m3c.backends.kernels.moe_prefill_cuda import PRECISIONS
+from m3c.backends.kernels.moe_prefill_cuda import check_precision
 from m3c.backends.kernels.moe_routing import gate_weight
-from m3c.errors import ConfigError, ShapeError
+from m3c.errors import ShapeError
 from m3c.model_defs import quant
 from m3c.model_defs.config import M3Config, QuantScheme
 from m3c.model_defs.layers import MoE, routed_experts
@@ -49,8 +49,7 @@ class MegaMoE(nn.Module):
                  prefill_precision: str | None = None) -> None:
         super().__init__()
         self.decode_kernel = decode_kernel  # see megamoe(): kept for tuning; the default paths are faster
-        if prefill_precision not in (None, *PRECISIONS):
-            raise ConfigError(f"prefill_precision={prefill_precision!r}: expected one of {PRECISIONS}")
+        check_precision(prefill_precision, "prefill_precision")
         self.prefill_precision = prefill_precision  # see megamoe(): the wgmma prefill's routed tiles
         if not isinstance(w13, quant.NVFP4Tensor) or not isinstance(w2, quant.NVFP4Tensor):
             raise ShapeError("MegaMoE takes NVFP4 routed experts (quant.NVFP4Tensor for w13 and w2)")

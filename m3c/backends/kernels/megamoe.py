@@ -51,7 +51,7 @@ from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, 
 from m3c.backends.kernels.moe_prefill import moe_prefill, moe_prefill_specs, moe_prefill_supported
 from m3c.backends.kernels.moe_routing import expert_segments, fused_route, gate_weight, moe_route, route_specs
 from m3c.backends.triton_aot import KernelSpec, Runner, jit_run
-from m3c.errors import ConfigError, ShapeError
+from m3c.errors import ShapeError
 from m3c.model_defs import quant
 
 CUDA_ROUTE = True  # the CUDA decode path routes + stages in one launch (route_stage); False: GEMV + fused_route
@@ -166,8 +166,7 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     """
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
-    if prefill_precision not in (None, *moe_prefill_cuda.PRECISIONS):
-        raise ConfigError(f"prefill_precision={prefill_precision!r}: expected one of {moe_prefill_cuda.PRECISIONS}")
+    moe_prefill_cuda.check_precision(prefill_precision, "prefill_precision")
     t = x.shape[0]
     parts = [gate_w, bias, w13, w2, shared_w13, shared_w2]
     devices = {str(getattr(p, "data", p).device) for p in parts if p is not None}
@@ -190,8 +189,9 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
                               workspace=workspace)
         if _mma_ok(x, w13, shared_w13, top_k):
             return moe_decode_mma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
-        return _prefill(x, w13, shared_w13, prefill_precision)(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
-                                            permutation=(seg.sorted_pairs, seg.offsets))
+        grouped = _prefill(x, w13, shared_w13, prefill_precision)
+        return grouped(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
+                       permutation=(seg.sorted_pairs, seg.offsets))
     ids, weights = moe_route(x, gate_w, bias, top_k=top_k, routed_scaling_factor=routed_scaling_factor,
                              norm_topk_prob=norm_topk_prob)
     weights = weights.to(torch.float32)
@@ -201,4 +201,5 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
         seg = expert_segments(ids, w13.data.shape[0])
         return moe_decode(x, seg, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out,
                           workspace=workspace)
-    return _prefill(x, w13, shared_w13, prefill_precision)(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)
+    grouped = _prefill(x, w13, shared_w13, prefill_precision)
+    return grouped(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out)

@@ -97,10 +97,11 @@ def supported(hidden: int, inter: int, shared_inter: int, act_dtype: str, w13_fm
     return None
 
 
-def _precision(precision: str | None) -> str:
+def check_precision(precision: str | None, name: str = "precision") -> str:
+    """`precision` (None: :data:`PRECISION`) if it is one of :data:`PRECISIONS`, else a ConfigError naming `name`."""
     p = PRECISION if precision is None else precision
     if p not in PRECISIONS:
-        raise ConfigError(f"moe_prefill_cuda: precision {p!r} is not one of {PRECISIONS}")
+        raise ConfigError(f"{name}={p!r}: expected one of {PRECISIONS}")
     return p
 
 
@@ -108,7 +109,7 @@ def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
     """The CudaKernelSpecs of the current build settings (WGS, BT, STAGES; one build serves every layout: the sizes
     are runtime arguments): (FC1, FC2), and for ``precision="fp8"`` (default :data:`PRECISION`) the row quantizer
     that makes the E4M3 tokens and act."""
-    fp8 = _precision(precision) == "fp8"
+    fp8 = check_precision(precision) == "fp8"
     if BT not in (64, 128, 256) or WGS not in (1, 2, 4) or not 3 <= STAGES <= 8 or (fp8 and BT != 128) \
             or INFLIGHT not in (1, 2, 3) or (PROMOTE and fp8 and WGS > 2):
         raise ConfigError(f"moe_prefill_cuda: BT {BT} (64 / 128 / 256; 128 for fp8), WGS {WGS} (1, 2, 4), STAGES "
@@ -206,7 +207,7 @@ def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: 
     shared expert's, the per-row tensor scales' expansion, the tokens' K order; for fp8 the weights' exponents): a
     call inside CUDA-graph capture must not build any of it (its values would exist only from the first replay on)."""
     e, two_i, h = w13.shape
-    if _precision(precision) == "fp8":
+    if check_precision(precision) == "fp8":
         ok = is_prepacked(w13, w2) and derived_ready(w13.scale, _WEXP_TAG) and derived_ready(w2.scale, _WEXP_TAG)
     else:
         ok = is_prepacked(w13, w2) and persistent_ready(_k_order_key(x.device, h))
@@ -236,7 +237,8 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     NVFP4 experts + MXFP8 (or no) shared expert, bf16 tokens; the routed tiles in ``precision`` (default
     :data:`PRECISION`; the shared expert's are bf16 in both). The prepacked weights are built at the first call per
     weight (outside CUDA-graph capture)."""
-    fp8 = _precision(precision) == "fp8"
+    precision = check_precision(precision)
+    fp8 = precision == "fp8"
     lay = mp._layout(x, topk_ids, topk_weights, w13, w2, shared_w13, shared_w2)
     why = supported(lay.hidden, lay.inter, lay.shared_inter, lay.act_dtype, lay.w13_fmt, lay.shared_fmt)
     if why:
@@ -278,7 +280,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         sc2, ss2 = _packed_shared(shared_w2)
     else:
         sc13 = ss13 = sc2 = ss2 = c13
-    fc1, fc2, *quant = specs("fp8" if fp8 else "bf16")
+    fc1, fc2, *quant = specs(precision)
     bt, rows = BT, 64 * WGS
     slots = k + int(has_sh)
     n_sh = triton.cdiv(t, bt) if has_sh else 0

@@ -51,7 +51,7 @@ def test_kernels_compile_for_sm90a_with_register_a_wgmma(bt: int, wgs: int, stag
 
 
 def test_build_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match="precision 'fp4'"):
+    with pytest.raises(ConfigError, match="precision='fp4'"):
         pc.specs("fp4")
     monkeypatch.setattr(pc, "PROMOTE", True)
     with pytest.raises(ConfigError, match="PROMOTE True"):

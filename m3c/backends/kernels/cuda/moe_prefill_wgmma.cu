@@ -5,9 +5,10 @@
 // nvcc (PyPI).
 //
 // A CTA owns ROWS = 64 WGS weight rows (warp w: a 16-row tile, tile_of) x BT tokens of one expert (or of the shared
-// expert); its K loop runs in stages of 64 K: the tokens (16-byte cp.async per 8 K of a row, zero-filled past the
-// tile's end), the prepacked codes and scales of the stage go through a STAGES-deep cp.async ring, and each warpgroup
-// issues four m64nBTk16 wgmma per stage, decoding step t + 1's A fragments while step t runs.
+// expert); its K loop runs in stages of 64 K (128 K in the ROUTED_FP8 build's routed tiles): the tokens (16-byte
+// cp.async per 16 bytes of a row, zero-filled past the tile's end), the prepacked codes and scales of the stage go
+// through a STAGES-deep cp.async ring, and each warpgroup issues four wgmma per stage, decoding step t + 1's A
+// fragments while step t runs.
 // ROUTED_FP8 = 1 builds the FP8 variant of the routed tiles: the NVFP4 codes times their E4M3 scale (and 2^-wexp)
 // rounded to E4M3 by per-lane byte tables (as Blackwell's QMUL4 rounds), tokens and act in E4M3 with one float32
 // scale a row (moe_pf_quant), wgmma m64nBTk32 e4m3 in stages of 128 K (the same bytes a stage as the bf16 build).
@@ -604,8 +605,9 @@ moe_pf_fc2(const u8* act, const u16* sact, const float* as, const int* order, co
 }
 
 // Rows of bf16 [R, K] -> E4M3 [R, K] with one float32 scale a row (q = rn(v * 448 / amax), v ~= q * amax / 448; a
-// row with amax <= 2^-100, all-zero included: zeros, scale 0), the columns taken in fp8_pos order when `permute` (the tokens for FC1's routed tiles; FC1
-// writes act already in that order). One CTA (256 threads) a row; 16 outputs a thread and pass, K % 64 == 0.
+// row with amax <= 2^-100, all-zero included: zeros, scale 0), the columns taken in fp8_pos order when `permute`
+// (the tokens for FC1's routed tiles; FC1 writes act already in that order). One CTA (256 threads) a row; 16 outputs
+// a thread and pass, K % 64 == 0.
 extern "C" __global__ void __launch_bounds__(256)
 moe_pf_quant(const u16* src, u8* dst, float* scale, int K, int permute, void* scratch0, void* scratch1) {
   __shared__ float red[8];
