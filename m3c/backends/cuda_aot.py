@@ -43,6 +43,9 @@ class CudaKernelSpec:
     defines: tuple[tuple[str, int], ...] = ()
     num_warps: int = 4
     shared_bytes: int = 0
+    pdl: bool = False
+    """Launch with programmatic dependent launch: the kernel may start while the previous kernel on the stream runs
+    and must call ``grid_wait()`` (ptx_common.cuh) before reading that kernel's outputs or writing anything."""
 
     def key(self) -> str:
         """A stable name for this specialization (family + sha of the source text, kernel, defines, launch);
@@ -50,7 +53,8 @@ class CudaKernelSpec:
         cached = self.__dict__.get("_key")
         if cached is None:
             blob = json.dumps([self.family, self.source, _source_sha(self.source), self.kernel,
-                               list(self.arg_types), list(self.defines), self.num_warps, self.shared_bytes])
+                               list(self.arg_types), list(self.defines), self.num_warps, self.shared_bytes,
+                               *(["pdl"] if self.pdl else [])])
             cached = f"{self.family}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
             object.__setattr__(self, "_key", cached)  # frozen: specs are immutable, so the key is too
         return cached
@@ -169,4 +173,4 @@ def cuda_jit_run(spec: CudaKernelSpec, grid: tuple[int, ...], args: Sequence[Any
         ck = compile_cuda(spec, arch)
         kernel = CubinKernel(ck.binary, ck.name, ck.shared_bytes, ck.num_warps, ck.arg_types)
         _LOADED[spec.key()] = kernel
-    kernel(grid, *args)
+    kernel(grid, *args, pdl=spec.pdl)

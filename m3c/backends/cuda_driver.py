@@ -50,12 +50,15 @@ class CubinKernel:
         self.module = _check(self.cu.cuModuleLoadData(binary), "cuModuleLoadData")
         self.func = _check(self.cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
         self.shared, self.threads, self.arg_types = shared_bytes, 32 * num_warps, arg_types
+        self._configs: dict[tuple[int, int, int, int], Any] = {}
         if shared_bytes > 48 * 1024:
             attr = self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check(self.cu.cuFuncSetAttribute(self.func, attr, shared_bytes), "cuFuncSetAttribute")
 
-    def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
-        """Launch over `grid` with the runtime arguments in signature order."""
+    def __call__(self, grid: tuple[int, ...], *args: Any, pdl: bool = False) -> None:
+        """Launch over `grid` with the runtime arguments in signature order; ``pdl``: as a programmatic dependent
+        launch (``cuLaunchKernelEx`` with programmatic stream serialization: the kernel may start before the
+        previous one on the stream ends and waits for it with ``griddepcontrol.wait``)."""
         if len(args) != len(self.arg_types):
             raise CudaLaunchError(f"kernel takes {len(self.arg_types)} arguments, got {len(args)}")
         values, types = [], []
@@ -70,5 +73,29 @@ class CubinKernel:
         types += [ctypes.c_void_p, ctypes.c_void_p]
         gx, gy, gz = (*grid, 1, 1)[:3]
         stream = torch.cuda.current_stream().cuda_stream
-        _check(self.cu.cuLaunchKernel(self.func, gx, gy, gz, self.threads, 1, 1, self.shared, stream,
-                                      (tuple(values), tuple(types)), 0), "cuLaunchKernel")
+        params = (tuple(values), tuple(types))
+        if pdl:
+            _check(self.cu.cuLaunchKernelEx(self._pdl_config(gx, gy, gz, stream), self.func, params, 0),
+                   "cuLaunchKernelEx")
+            return
+        _check(self.cu.cuLaunchKernel(self.func, gx, gy, gz, self.threads, 1, 1, self.shared, stream, params, 0),
+               "cuLaunchKernel")
+
+    def _pdl_config(self, gx: int, gy: int, gz: int, stream: int) -> Any:
+        """A CUlaunchConfig with the programmatic-stream-serialization attribute (one per launch shape, reused)."""
+        key = (gx, gy, gz, stream)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cu = self.cu
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg = cu.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.threads, 1, 1
+            cfg.sharedMemBytes = self.shared
+            cfg.hStream = cu.CUstream(stream)
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            self._configs[key] = cfg
+        return cfg

@@ -31,5 +31,5 @@ class CubinRunner:
                 f"the program has no compiled {spec.family} kernel for this launch (key {spec.key()}; it has "
                 f"{have or 'none of this family'}); the runtime shapes need a specialization the compile did not "
                 "make — recompile the artifact with this m3c version and the cache shapes you run")
-        kernel(grid, *args)
+        kernel(grid, *args, pdl=getattr(spec, "pdl", False))
         self.launches += 1

@@ -19,16 +19,19 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
    cuBLAS GEMV + ``fused_route`` + ``moe_stage_x`` (3 launches).
 1. ``moe_stage_x``: the tokens as f16 times 2^-e per token (e from the token's largest magnitude, so f16's range
    never clips; the MMA's f32 result is scaled back); skipped when the caller passes them staged (step 0).
-2. ``moe_fc1``: CTAs over (touched expert slot | shared expert) x 128-row block x K split (routed: 2 NT when H
+2. ``moe_fc1``: CTAs over (shared expert | touched expert slot) x 128-row block x K split (routed: 2 NT when H
    allows; the shared expert's MXFP8 rows, twice the bytes, twice that); each copies its K range of the staged
-   tokens to shared memory, then every warp streams two 16-row tiles (the next 256-K super-chunk's 16-byte loads
+   tokens to shared memory (the shared expert's CTAs stage them from x themselves, so they need nothing of step 0
+   and run first), then every warp streams two 16-row tiles (the next 256-K super-chunk's 16-byte loads
    in flight while one is decoded): h[ks, pair, row] = partial sums.
 3. ``moe_act``: act = SiLU(gate) * up from h's splits (rounded to bf16 as the reference's bf16 model does), staged
    like the tokens, one CTA per (token, expert) pair.
 4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
    y[ks, pair, :].
 5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic).
-Touched experts are found on the device from topk_ids (the CTAs of unused slots exit at once).
+Touched experts are found on the device from topk_ids (the CTAs of unused slots exit at once). Steps 2-5 can be
+programmatic dependent launches (:data:`PDL`): each waits on its predecessor with ``griddepcontrol.wait`` before
+reading its outputs or writing anything.
 
 :data:`NATURAL` (off until run on a GPU) reads the routed NVFP4 experts in their own layout instead (lane (g, j)
 of a 16-row tile: 16-byte pieces j, j + 4 of rows g, g + 8 per 256-K super-chunk, decoded by ptx_common's decode8,
@@ -74,6 +77,13 @@ copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill
 so on sm_90 NATURAL would not save it (it saves it where only the decode kernels run).
 Written without a GPU (CPU: the lane-level twin, the offline build): off until its GPU tests and a same-run timing
 against the prepacked stream have run (prediction: ~0.6 more SASS instructions a weight, 0-10% slower at T = 1)."""
+PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
+PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
+"""Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
+:data:`PDL_KERNELS`): each starts while its predecessor runs, FC1's shared-expert items run their whole GEMV during
+the routing launch (module docstring, launch 2), FC2 finds its expert during act. Measured on the H200 (same run,
+benchmarks/RESULTS.md session 18): T = 16 2.5% faster, T = 4 ~1.5%, T = 1 2-5% slower (FC1's routed CTAs wait
+longer in griddepcontrol.wait than a graph's kernel boundary takes), so only the two-tile (T > 8) build uses it."""
 _ROWS_PER_CTA = 32 * WARPS
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
@@ -145,23 +155,23 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens)."""
-    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL)
+    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())))
 
 
 @functools.cache
-def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int,
-               decode: int, natural: bool = False) -> tuple[CudaKernelSpec, ...]:
+def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
+               natural: bool = False, pdl: tuple[str, ...] = ()) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()))
     p, i = "*u8", "i32"
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         types = tuple((a[1:], p) if a.startswith("*") else (a, i) for a in args.split())
-        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, types, d, nwarps, smem)
+        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, types, d, nwarps, smem, kernel in pdl)
 
     return (spec("moe_stage_x", "*x H *x16 *xmult", 8),
-            spec("moe_fc1", "*x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H KSr "
-                 "KSs *h P ROWS", warps, _fc1_smem(hidden, shared_inter, nt)),
+            spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "
+                 "KSr KSs *h P ROWS", warps, _fc1_smem(hidden, shared_inter, nt)),
             spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 8),
             spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
                  "ROWS *y", warps, _fc2_smem(inter, shared_inter, nt)),
@@ -331,7 +341,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     weight must run outside CUDA-graph capture
     (:class:`CaptureError` otherwise; the runtime's graphs warm up first). Tokens whose routing produced an id
     outside [0, E) (NaN router logits) come out NaN. ``x16`` f16 [T, H] / ``xmult`` float32 [T]: the tokens already
-    staged (:func:`route_stage`): the ``moe_stage_x`` launch is skipped."""
+    staged by :func:`route_stage`, launched just before (the ``moe_stage_x`` launch is skipped; with :data:`PDL`,
+    FC1's shared-expert CTAs read x while that launch runs, which its plain launch makes safe)."""
     from m3c.backends.kernels.moe_prefill import nvfp4_row_scales, weight_args
 
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
@@ -395,10 +406,11 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     amult = torch.empty(pairs, dtype=torch.float32, device=dev)
     y = torch.empty((ks2s, pairs, hidden), dtype=torch.float32, device=dev)
     out = torch.empty_like(x) if out is None else out
+    xa = _aligned(x.contiguous())  # FC1's shared-expert items stage the tokens from x (16-byte vector loads)
     if not staged:
-        runner(stage_x, (t,), [x.contiguous(), hidden, x16, xmult])
+        runner(stage_x, (t,), [xa, hidden, x16, xmult])
     grid1 = (n_slots * two_i // _ROWS_PER_CTA * ks1 + 2 * s // _ROWS_PER_CTA * ks1s,)
-    runner(fc1, grid1, [x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
+    runner(fc1, grid1, [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
                         hidden, ks1, ks1s, h, pairs, rows_ws])
     runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s if shared else 0),)

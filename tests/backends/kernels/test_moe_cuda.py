@@ -127,6 +127,23 @@ def test_kernels_compile_for_sm90a_with_mma_and_prmt(natural: bool, monkeypatch:
             assert "STL" not in sass  # no register spills
 
 
+@pytest.mark.parametrize("nt", [1, 2])
+def test_dependent_launches_wait_and_release_in_sass(nt: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PDL: FC1 / act / FC2 / combine are launched programmatically where PDL says (per NT), wait on their
+    predecessor (SASS ACQBULK) and release their dependents (PREEXIT), without spilling; the staging launch is never
+    programmatic, and the same kernels without PDL have other keys (one compiled binary each)."""
+    monkeypatch.setattr(moe_cuda, "PDL", {nt: moe_cuda.PDL_KERNELS})
+    specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt)
+    assert [sp.pdl for sp in specs] == [False, True, True, True, True]
+    for spec in specs:
+        sass = disassemble(compile_cuda(spec, "sm_90a").binary)
+        assert "ACQBULK" in sass and "PREEXIT" in sass and "STL" not in sass, spec.kernel
+    monkeypatch.setattr(moe_cuda, "PDL", {})
+    plain = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt)
+    assert not any(sp.pdl for sp in plain)
+    assert all(a.key() != b.key() for a, b in zip(specs[1:], plain[1:])) and specs[0].key() == plain[0].key()
+
+
 def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str, act: torch.dtype,
           x_scale: float = 1.0):
     from m3c.backends.kernels.moe_routing import moe_route
@@ -171,11 +188,11 @@ def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPa
     wts = torch.empty(t, k, device="meta")
     seen: list = []
     moe_cuda.moe_decode_mma(x, ids, wts, w13, w2, s13, s2, runner=lambda sp, grid, args: seen.append((sp, args)))
-    fc = {sp.kernel: args for sp, args in seen}
+    fc = {sp.kernel: dict(zip((n for n, _ in sp.arg_types), args)) for sp, args in seen}
     assert ("NATURAL", 1) in next(sp for sp, _ in seen if sp.kernel == "moe_fc1").defines
-    assert fc["moe_fc1"][7].shape == w13.data.shape and fc["moe_fc1"][8].shape == w13.scale.shape  # rcode, rscale
-    assert fc["moe_fc2"][8].shape == w2.data.shape and fc["moe_fc2"][9].shape == w2.scale.shape
-    assert fc["moe_fc1"][11].dim() == 1  # the shared expert's prepacked codes
+    assert fc["moe_fc1"]["rcode"].shape == w13.data.shape and fc["moe_fc1"]["rscale"].shape == w13.scale.shape
+    assert fc["moe_fc2"]["rcode"].shape == w2.data.shape and fc["moe_fc2"]["rscale"].shape == w2.scale.shape
+    assert fc["moe_fc1"]["scode"].dim() == 1  # the shared expert's prepacked codes
     assert not getattr(w13.data, "_m3c_derived", {}) and not getattr(w2.data, "_m3c_derived", {})
     cpu = dict(device="cpu")
     xc, idc, wc = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, k, dtype=torch.int64), torch.zeros(t, k)
@@ -227,6 +244,36 @@ def test_natural_layout_matches_prepacked_without_a_copy(t: int, monkeypatch: py
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 6, 13])
+@pytest.mark.parametrize("shared", ["mxfp8", "none"])
+def test_dependent_launches_match_plain_launches_and_graph_replays(t: int, shared: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """MegaMoE's decode (routing launch + experts) with programmatic dependent launches is bitwise the output of
+    plain launches: eagerly, and replayed from a CUDA graph with new tokens copied in (a kernel that read its
+    predecessor's outputs before grid_wait() would differ)."""
+    moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, shared, torch.bfloat16)
+    on = {1: moe_cuda.PDL_KERNELS, 2: moe_cuda.PDL_KERNELS}
+    monkeypatch.setattr(moe_cuda, "PDL", {})
+    plain = mm(x)
+    truth = moe(x.float())
+    assert float((plain.float() - truth).norm() / truth.norm()) < 1.5e-2
+    monkeypatch.setattr(moe_cuda, "PDL", on)
+    assert torch.equal(mm(x), plain)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mm(static)
+    for scale in (1.0, 40.0):
+        new = (torch.randn(x.shape, device="cuda") * scale).to(x.dtype)
+        static.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        monkeypatch.setattr(moe_cuda, "PDL", {})
+        assert torch.equal(out, mm(new)), scale
+        monkeypatch.setattr(moe_cuda, "PDL", on)
+
+
+@pytest.mark.gpu
 def test_moe_decode_mma_float32_tokens_and_large_activations() -> None:
     # tokens past f16's range (and FC1 outputs far past it): the per-row power-of-two staging must keep them
     moe, mm, x, ids, w = _case(4, 1024, 256, 16, 4, "mxfp8", torch.float32, x_scale=3e5)
@@ -249,7 +296,7 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     assert len({s.key() for s in cuda}) == 14
     got = compile_kernels(cuda[:2])
     assert [k.key for k in got] == [s.key() for s in cuda[:2]] and got[1].shared_bytes == cuda[1].shared_bytes
-    assert got[1].arg_types[:3] == ["*u8", "*u8", "i32"]
+    assert got[1].arg_types[:4] == ["*u8", "*u8", "*u8", "i32"]  # fc1: x, x16, xmult, T
     # a layout the CUDA kernels do not take (I not a multiple of 256) lowers to the Triton kernels only
     tiny = megamoe_specs(256, 128, 8, 2, 128, "bf16", "nvfp4", "mxfp8")
     assert tiny and not any(isinstance(s, CudaKernelSpec) for s in tiny)

@@ -5,7 +5,11 @@
 // column tiles), ACT_BF16 (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by
 // lookups to E4M3 + cvt), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
 // [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked).
-// Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine.
+// Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine, each after moe_stage_x launched with
+// programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
+// shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert, prefetching its weights)
+// overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the previous
+// two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
 #ifndef WARPS
 #define WARPS 4
 #endif
@@ -31,15 +35,7 @@
 #endif
 #define MAXT (8 * NT)
 
-#include "ptx_common.cuh"
-
-__device__ __forceinline__ float load_act(const void* x, long i) {
-#if ACT_BF16
-  return __uint_as_float(((u32)((const u16*)x)[i]) << 16);
-#else
-  return ((const float*)x)[i];
-#endif
-}
+#include "moe_tokens.cuh"
 
 // Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
 // rows' scale pairs.
@@ -70,16 +66,6 @@ __device__ __forceinline__ float e8m0_float(u32 e) {
   return __uint_as_float(e == 0u ? 0x00400000u : (e == 255u ? 0x7FC00000u : e << 23));
 }
 
-// Down-scale 2^-e and up-scale 2^e (as floats) for a row whose largest magnitude is amax: amax * 2^-e lands in
-// [2^14, 2^15), inside f16's normal range (0 / inf / NaN rows: e = 0).
-__device__ __forceinline__ void pow2_scale(float amax, float& down, float& up) {
-  u32 bits = __float_as_uint(amax);
-  int e = (amax > 0.f && amax < 3.0e38f) ? (int)((bits >> 23) & 0xFF) - 127 - 14 : 0;
-  e = max(-126, min(126, e));  // both 2^e and 2^-e stay normal floats
-  up = __uint_as_float((u32)(127 + e) << 23);
-  down = __uint_as_float((u32)(127 - e) << 23);
-}
-
 __device__ float block_max(float v, float* red) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
@@ -95,6 +81,8 @@ __device__ float block_max(float v, float* red) {
 extern "C" __global__ void __launch_bounds__(256)
 moe_stage_x(const void* x, int H, u16* x16, float* xmult, void* scratch0, void* scratch1) {
   __shared__ float red[8];
+  grid_wait();
+  grid_launch_dependents();
   const int n = blockIdx.x;
   float m = 0.f;
   for (int k = threadIdx.x; k < H; k += 256) m = fmaxf(m, fabsf(load_act(x, (long)n * H + k)));
@@ -152,6 +140,8 @@ extern "C" __global__ void __launch_bounds__(256)
 moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int I, int S, u16* act16,
         float* amult, void* scratch0, void* scratch1) {
   __shared__ float red[8];
+  grid_wait();
+  grid_launch_dependents();  // after the wait: FC2 reads the routing before its own (see the top of the file)
   const int p = blockIdx.x;
   const int K = p < routed_pairs ? I : S, splits = p < routed_pairs ? KSr : KSs;
   const long split = (long)P * ROWS;
@@ -180,11 +170,10 @@ struct Block {   // what one CTA works on
   int ks, KS;    // K split index and count
 };
 
-// The CTA's work item: routed (expert slot x row block x KSr splits) items first, then shared (row block x KSs
-// splits). Returns false if the item's expert slot is unused (fewer experts touched than slots).
-__device__ bool find_block(Block& b, const long long* ids, int n_ids, int E, int n_slots, int rows, int srows,
-                           int KSr, int KSs, u32* flags) {
-  int item = blockIdx.x;
+// Work item `item`: routed (expert slot x row block x KSr splits) items first, then shared (row block x KSs
+// splits; ids not read). Returns false if the item's expert slot is unused (fewer experts touched than slots).
+__device__ bool find_block(Block& b, int item, const long long* ids, int n_ids, int E, int n_slots, int rows,
+                           int srows, int KSr, int KSs, u32* flags) {
   const int per = rows / (32 * WARPS);
   if (item >= n_slots * per * KSr) {
     item -= n_slots * per * KSr;
@@ -251,6 +240,39 @@ __device__ void stage_rows(const u16* src, const float* src_mult, const int* row
     dst[1] = make_uint2(d.z, d.w);
   }
   for (int n = threadIdx.x; n < T; n += blockDim.x) mult[n] = rowof[n] >= 0 ? src_mult[rowof[n]] : 0.f;
+  __syncthreads();
+}
+
+// Stage the tokens straight from x (FC1's shared-expert items, before grid_wait(); bitwise what moe_stage_x and
+// moe_route_stage write: the max is exact, the scaling by 2^-e too): xs[n, :Kc] = f16(x[n, k0 : k0 + Kc] 2^-e(n)),
+// mult[n] = 2^e(n) for every token n < T (H % 128 == 0).
+__device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* xs, float* mult, float* tmax) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int n = warp; n < T; n += WARPS) {  // a warp per token: its largest magnitude over all of H
+    float m = 0.f;
+#pragma unroll 4
+    for (int k = 4 * lane; k < H; k += 128) {
+      const float4 v = load_act4(x, (long)n * H + k);
+      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) tmax[n] = m;
+  }
+  __syncthreads();
+  const int quads = Kc / 4;
+  for (int i = threadIdx.x; i < T * quads; i += blockDim.x) {
+    const int n = i / quads, k = 4 * (i - n * quads);
+    float down, up;
+    pow2_scale(tmax[n], down, up);
+    const float4 v = load_act4(x, (long)n * H + k0 + k);
+    *(uint2*)(xs + (long)n * (Kc + 4) + k) =
+        make_uint2(f32x2_to_f16x2(v.x * down, v.y * down), f32x2_to_f16x2(v.z * down, v.w * down));
+  }
+  for (int n = threadIdx.x; n < T; n += blockDim.x) {
+    float down, up;
+    pow2_scale(tmax[n], down, up);
+    mult[n] = up;
+  }
   __syncthreads();
 }
 
@@ -458,8 +480,9 @@ __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int T, flo
   }
 }
 
-// Ask L2 for the first super-chunk of the warp's code bytes (both tiles) before the staging, so the weight
-// stream's first latency overlaps it.
+// Ask L2 for the first super-chunk of the warp's code bytes (both tiles) before the staging (and, in FC2, before
+// grid_wait()), so the weight stream's first latency overlaps it. (The CTA's whole K range by
+// cp.async.bulk.prefetch.L2 measured 5-25% slower on the H200: benchmarks/RESULTS.md, session 18.)
 __device__ __forceinline__ void prefetch_first(const Block& b, int rows_total, int K, int Kc, const u8* rcode,
                                                const u8* scode) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -478,7 +501,8 @@ __device__ __forceinline__ void prefetch_first(const Block& b, int rows_total, i
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + t * tb + lane * 64));  // 2 KB: the first super-chunk
 }
 
-// The warp's two row tiles over this block's K range, then out[p, row] = acc * 2^e * row factor * weight.
+// The warp's two row tiles over this block's K range, then (after grid_wait(): FC1's shared-expert items reach it
+// first here) out[p, row] = acc * 2^e * row factor * weight.
 __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, const u16* xs, const float* mult,
                           const int* pair, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode,
                           const u8* sscale, const float* wts, float* out, long out_stride) {
@@ -508,6 +532,7 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
     const u8* s = sscale + (long)(row + g) * (K / 32) + (long)b.ks * Kc / 32;
     gemv(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, T, acc);
   }
+  grid_wait();
 #pragma unroll
   for (int t = 0; t < ROWT; ++t) {
 #pragma unroll
@@ -526,29 +551,42 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
   }
 }
 
-// FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p.
+// FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
+// expert's items come first in the grid and run their GEMV before grid_wait() (during the routing launch), staging
+// the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens).
 extern "C" __global__ void FC_BOUNDS
-moe_fc1(const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E, int n_slots,
-        const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode, const u8* sscale, int srows,
-        int H, int KSr, int KSs, float* h, int P, int ROWS, void* scratch0, void* scratch1) {
+moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E,
+        int n_slots, const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode,
+        const u8* sscale, int srows, int H, int KSr, int KSs, float* h, int P, int ROWS, void* scratch0,
+        void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32];
-  __shared__ float mult[MAXT];
+  __shared__ float mult[MAXT], tmax[MAXT];
   __shared__ int pair[MAXT], rowof[MAXT];
+  grid_launch_dependents();  // moe_act waits for all of FC1
+  const int shared_items = srows / (32 * WARPS) * KSs, routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
+  const bool shared = (int)blockIdx.x < shared_items;
+  const int item = shared ? routed_items + blockIdx.x : blockIdx.x - shared_items;
+  if (!shared) grid_wait();
   Block b;
-  if (!find_block(b, ids, T * topk, E, n_slots, rows, srows, KSr, KSs, flags)) return;
+  if (!find_block(b, item, ids, T * topk, E, n_slots, rows, srows, KSr, KSs, flags)) return;
   find_pairs(pair, ids, T, topk, b.expert);
-  for (int n = threadIdx.x; n < T; n += blockDim.x) rowof[n] = n;
-  __syncthreads();
   const int Kc = H / b.KS;
   prefetch_first(b, b.expert >= 0 ? rows : srows, H, Kc, rcode, scode);
   u16* xs = (u16*)smem;
-  stage_rows(x16, xmult, rowof, T, H, b.ks * Kc, Kc, xs, mult);
+  if (shared) {
+    stage_direct(x, T, H, b.ks * Kc, Kc, xs, mult, tmax);
+  } else {
+    for (int n = threadIdx.x; n < T; n += blockDim.x) rowof[n] = n;
+    __syncthreads();
+    stage_rows(x16, xmult, rowof, T, H, b.ks * Kc, Kc, xs, mult);
+  }
   run_tiles(b, b.expert >= 0 ? rows : srows, H, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, nullptr,
             h + (long)b.ks * P * ROWS, ROWS);
 }
 
-// FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs).
+// FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs). Before
+// grid_wait(): its expert, pairs and the L2 prefetch (the routing finished before FC1 passed its wait).
 extern "C" __global__ void FC_BOUNDS
 moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
@@ -558,10 +596,12 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
   __shared__ float mult[MAXT];
   __shared__ int pair[MAXT];
   Block b;
-  if (!find_block(b, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
+  if (!find_block(b, blockIdx.x, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
   find_pairs(pair, ids, T, topk, b.expert);
   const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
   prefetch_first(b, H, K, Kc, rcode, scode);
+  grid_wait();
+  grid_launch_dependents();
   u16* xs = (u16*)smem;
   stage_rows(act16, amult, pair, T, ROWS / 2, b.ks * Kc, Kc, xs, mult);
   run_tiles(b, H, K, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, b.expert >= 0 ? wts : nullptr,
@@ -573,6 +613,8 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KSs, int P, int H, void* out,
             void* scratch0, void* scratch1) {
+  grid_wait();
+  grid_launch_dependents();
   const int n = blockIdx.y;
   bool valid = true;
   for (int k = 0; k < topk; ++k) valid = valid && ids[n * topk + k] >= 0 && ids[n * topk + k] < E;

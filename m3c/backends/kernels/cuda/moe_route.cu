@@ -36,7 +36,7 @@
 #define THREADS 256
 #define WARPS_R 8
 
-#include "ptx_common.cuh"
+#include "moe_tokens.cuh"
 
 __device__ __forceinline__ float4 ld_stream_f4(const float* p) {
   float4 r;
@@ -61,33 +61,6 @@ __device__ __forceinline__ u32 redux_min(u32 v) {
   asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
   return r;
 }
-__device__ __forceinline__ float load_act(const void* x, long i) {
-#if ACT_BF16
-  return __uint_as_float(((u32)((const u16*)x)[i]) << 16);
-#else
-  return ((const float*)x)[i];
-#endif
-}
-// Four consecutive token values x[i .. i + 3] (i % 4 == 0) as floats.
-__device__ __forceinline__ float4 load_act4(const void* x, long i) {
-#if ACT_BF16
-  uint2 v = *(const uint2*)((const u16*)x + i);
-  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
-                     __uint_as_float(v.y & 0xFFFF0000u));
-#else
-  return *(const float4*)((const float*)x + i);
-#endif
-}
-
-// As moe_decode_mma.cu: 2^-e and 2^e for a row whose largest magnitude is amax (amax 2^-e in [2^14, 2^15)).
-__device__ __forceinline__ void pow2_scale(float amax, float& down, float& up) {
-  u32 bits = __float_as_uint(amax);
-  int e = (amax > 0.f && amax < 3.0e38f) ? (int)((bits >> 23) & 0xFF) - 127 - 14 : 0;
-  e = max(-126, min(126, e));
-  up = __uint_as_float((u32)(127 + e) << 23);
-  down = __uint_as_float((u32)(127 - e) << 23);
-}
-
 // A float's order as an unsigned key: larger key = larger value; -0 == +0; every NaN above +inf (torch.sort puts
 // NaN first in descending order). Keys of non-NaN values are >= 0x007FFFFF (-inf), so 0 means "no candidate".
 __device__ __forceinline__ u32 order_key(float v) {
@@ -189,6 +162,8 @@ moe_route_stage(const void* x, const float* gate, const float* bias, int T, int 
   __shared__ u32 sel_id[WARPS_R][MAXK];
   __shared__ float sel_s[WARPS_R][MAXK];
   __shared__ int is_last;
+  grid_wait();               // a no-op unless launched programmatically: x is complete past it
+  grid_launch_dependents();  // moe_fc1's shared-expert items run meanwhile (they read x, so after the wait)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if ((int)blockIdx.x < T) {
     stage_token(x, H, x16, xmult, blockIdx.x, red);

@@ -7,6 +7,15 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
+// Programmatic dependent launch (sm_90+; launchers set CudaKernelSpec.pdl): grid_wait() returns once the previous
+// grid on the stream has finished and its writes are visible (at once when the launch was not programmatic), so a
+// kernel reads its predecessor's outputs, and writes anything, only after it; grid_launch_dependents() lets the next
+// grid start launching (its CTAs run their own prologue, then wait in grid_wait()).
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 __device__ __forceinline__ uint4 ld_stream4(const u8* p) {  // 16 bytes read once: no L1 allocation
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
