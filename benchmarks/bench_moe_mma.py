@@ -9,14 +9,12 @@ moe_stage_x), and those routing + staging launches alone, (c) the old routing + 
 (touched NVFP4 + MXFP8 bytes at 4.28 TB/s) and each path's fraction of it. Settings to compare: --decode
 (0: prmt to f16, 1: prmt to E4M3 + cvt), --natural (1: the routed experts read in their own layout, no
 prepacked copy; with decode 0 only) and --pdl (the kernels launched as programmatic dependent launches, at every T:
-"fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice) and --fuse (the small launches FC2
-folds in at every T: "act,combine", "act", "combine", "none" or "default" for moe_cuda.FUSE); each setting's whole
-op (megamoe with
+"fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice); each setting's whole op (megamoe with
 its routing launch, "megamoe") is timed too, and its output compared bitwise with the first setting's of the same
 decode / natural.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1] [--natural 0 1]
-    [--pdl none default fc1,act,fc2,combine] [--fuse none act,combine default]
+    [--pdl none default fc1,act,fc2,combine]
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ READ_BW = 4.28e12
 H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
 
 
-def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, str]]) -> list[dict]:
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str]]) -> list[dict]:
     """One T: check and time every setting."""
     x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
     cfg = moe.cfg
@@ -83,18 +81,16 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             "route_w_maxrel": float(((new_r[1] - old_r[1]).abs() / old_r[1].abs()).max()),
             "staging_equal": bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3]))}
     rows = []
-    saved = moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FUSE
+    saved = moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL
     first: dict[tuple[int, int], torch.Tensor] = {}
     try:
-        for dec, nat, pdl, fuse in settings:
+        for dec, nat, pdl in settings:
             kernels = tuple(f"moe_{k}" for k in pdl.replace("moe_", "").split(",") if k != "none")
-            steps = tuple(k for k in fuse.split(",") if k != "none")
             moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
             moe_cuda.PDL = saved[2] if pdl == "default" else {1: kernels, 2: kernels}
-            moe_cuda.FUSE = saved[3] if fuse == "default" else {1: steps, 2: steps}
             out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
             ref = first.setdefault((dec, nat), out)
-            row = dict(base, decode=dec, natural=nat, pdl=pdl, fuse=fuse,
+            row = dict(base, decode=dec, natural=nat, pdl=pdl,
                        err=float((out.float() - truth).norm() / truth.norm()),
                        max_vs_triton=float((out.float() - triton_out.float()).abs().max()),
                        equal_to_first=bool(torch.equal(out, ref)))
@@ -113,7 +109,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:  # the module settings as they were, whatever happened
-        moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FUSE = saved
+        moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL = saved
     return rows
 
 
@@ -125,11 +121,8 @@ def main() -> None:
     ap.add_argument("--natural", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--pdl", nargs="+", default=["default"],
                     help="kernels launched programmatically, comma-separated (fc1,act,fc2,combine), none or default")
-    ap.add_argument("--fuse", nargs="+", default=["default"],
-                    help="steps FC2 folds in, comma-separated (act,combine), none or default")
     args = ap.parse_args()
-    settings = [(d, n, p, f) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
-                for f in args.fuse]
+    settings = [(d, n, p) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl]
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
@@ -137,13 +130,13 @@ def main() -> None:
     for t in (int(v) for v in args.tokens.split(",")):
         record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, gen, settings))
     write_results("moe_mma", rows, shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>20} {'fuse':>12} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
+    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
           f"{'megamoe':>8} {'old rt':>8} {'route':>7} {'old rt':>7} {'err':>8} {'tri err':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['T']:>3} {r['error']}")
             continue
-        print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['natural']:>3} {r['pdl']:>20} {r['fuse']:>12} "
+        print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['natural']:>3} {r['pdl']:>22} "
               f"{r['experts_ms'] * 1e3:>7.1f}u "
               f"{r['triton_experts_ms'] * 1e3:>7.1f}u {r['floor_ms'] * 1e3:>6.1f}u {100 * r['bw_fraction']:>5.1f} "
               f"{r['whole_ms'] * 1e3:>7.1f}u {r['megamoe_ms'] * 1e3:>7.1f}u {r['megamoe_old_route_ms'] * 1e3:>7.1f}u "

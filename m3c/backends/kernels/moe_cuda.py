@@ -58,7 +58,7 @@ import torch
 import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec
-from m3c.backends.kernels.host import derived, derived_ready, persistent, persistent_ready
+from m3c.backends.kernels.host import derived, derived_ready, persistent
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, M3CError, ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -84,10 +84,6 @@ PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 the routing launch (module docstring, launch 2), FC2 finds its expert during act. Measured on the H200 (same run,
 benchmarks/RESULTS.md session 18): T = 16 2.5% faster, T = 4 ~1.5%, T = 1 2-5% slower (FC1's routed CTAs wait
 longer in griddepcontrol.wait than a graph's kernel boundary takes), so only the two-tile (T > 8) build uses it."""
-FUSE: dict[int, tuple[str, ...]] = {1: ("act", "combine"), 2: ("act", "combine")}
-"""Per NT, the small launches folded into FC2: "act" (FC2 computes its pairs' SiLU(gate) * up from FC1's partial sums
-itself, so each CTA redoes its pairs' rows: cheap for few pairs an expert) and "combine" (the last FC2 CTA of each
-128-row block sums the block's outputs, counted on a persistent zeroed counter). Bitwise the unfused output."""
 _ROWS_PER_CTA = 32 * WARPS
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
@@ -159,20 +155,14 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens)."""
-    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      tuple(FUSE.get(nt, ())))
+    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())))
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
-               natural: bool = False, pdl: tuple[str, ...] = (), fuse: tuple[str, ...] = ()
-               ) -> tuple[CudaKernelSpec, ...]:
-    unknown = set(fuse) - {"act", "combine"}
-    if unknown:
-        raise ConfigError(f"moe_cuda.FUSE: unknown steps {sorted(unknown)}: 'act' and 'combine' can be fused")
+               natural: bool = False, pdl: tuple[str, ...] = ()) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
-         *((("NATURAL", 1),) if natural else ()), *((("FUSE_ACT", 1),) if "act" in fuse else ()),
-         *((("FUSE_COMBINE", 1),) if "combine" in fuse else ()))
+         *((("NATURAL", 1),) if natural else ()))
     p, i = "*u8", "i32"
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
@@ -183,8 +173,8 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
             spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "
                  "KSr KSs *h P ROWS", warps, _fc1_smem(hidden, shared_inter, nt)),
             spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 8),
-            spec("moe_fc2", "*act16 *amult *h KSr1 KSs1 T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale "
-                 "I S H KSs P ROWS *y *out *counter", warps, _fc2_smem(inter, shared_inter, nt)),
+            spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
+                 "ROWS *y", warps, _fc2_smem(inter, shared_inter, nt)),
             spec("moe_combine", "*y *ids E T topk KSs P H *out", 8))
 
 
@@ -381,13 +371,9 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     nt = _nt(t)
     stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt)
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
-    fused = FUSE.get(nt, ())
-    counter_key = ("moe_fc2 combine", str(x.device), hidden // _ROWS_PER_CTA)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
-            is_prepacked(*packed) and ("combine" not in fused or persistent_ready(counter_key))):
-        raise CaptureError("moe_decode_mma: the prepacked weights (and FC2's combine counters) are built at the first "
-                           "call, which must run outside CUDA-graph capture: call once eagerly (a warm-up) before "
-                           "capturing")
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not is_prepacked(*packed):
+        raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "
+                           "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
     if NATURAL:  # read in place: the shapes, dtypes and 16-byte alignment the prefill kernels also need
         if DECODE:
             raise ConfigError("moe_cuda: NATURAL decodes the routed experts with decode8 (f16); set DECODE = 0")
@@ -416,8 +402,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         x16 = torch.empty((t, hidden), dtype=torch.float16, device=dev)
         xmult = torch.empty(t, dtype=torch.float32, device=dev)
     h = torch.empty((max(ks1, ks1s), pairs, rows_ws), dtype=torch.float32, device=dev)
-    act16 = torch.empty((0 if "act" in fused else pairs, rows_ws // 2), dtype=torch.float16, device=dev)
-    amult = torch.empty(0 if "act" in fused else pairs, dtype=torch.float32, device=dev)
+    act16 = torch.empty((pairs, rows_ws // 2), dtype=torch.float16, device=dev)
+    amult = torch.empty(pairs, dtype=torch.float32, device=dev)
     y = torch.empty((ks2s, pairs, hidden), dtype=torch.float32, device=dev)
     out = torch.empty_like(x) if out is None else out
     xa = _aligned(x.contiguous())  # FC1's shared-expert items stage the tokens from x (16-byte vector loads)
@@ -426,15 +412,11 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     grid1 = (n_slots * two_i // _ROWS_PER_CTA * ks1 + 2 * s // _ROWS_PER_CTA * ks1s,)
     runner(fc1, grid1, [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
                         hidden, ks1, ks1s, h, pairs, rows_ws])
-    if "act" not in fused:
-        runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
-    counter = (persistent(counter_key, lambda: torch.zeros(hidden // _ROWS_PER_CTA, dtype=torch.int32, device=dev))
-               if "combine" in fused else ids)  # (a placeholder pointer when not read)
+    runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s if shared else 0),)
-    runner(fc2, grid2, [act16, amult, h, ks1, ks1s, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter,
-                        s, hidden, ks2s, pairs, rows_ws, y, out, counter])
-    if "combine" not in fused:
-        runner(comb, (triton.cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
+    runner(fc2, grid2, [act16, amult, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden,
+                        ks2s, pairs, rows_ws, y])
+    runner(comb, (triton.cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
     return out
 
 

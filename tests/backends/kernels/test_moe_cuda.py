@@ -144,14 +144,6 @@ def test_dependent_launches_wait_and_release_in_sass(nt: int, monkeypatch: pytes
     assert all(a.key() != b.key() for a, b in zip(specs[1:], plain[1:])) and specs[0].key() == plain[0].key()
 
 
-def test_unknown_fused_step_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from m3c.errors import ConfigError
-
-    monkeypatch.setattr(moe_cuda, "FUSE", {1: ("act", "fc1")})
-    with pytest.raises(ConfigError, match=r"unknown steps.*fc1"):
-        moe_cuda.mma_specs(6144, 1536, 2048, "bf16", 1)
-
-
 def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str, act: torch.dtype,
           x_scale: float = 1.0):
     from m3c.backends.kernels.moe_routing import moe_route
@@ -282,35 +274,6 @@ def test_dependent_launches_match_plain_launches_and_graph_replays(t: int, share
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 5, 8, 13, 16])
-@pytest.mark.parametrize("shared", ["mxfp8", "none"])
-def test_fused_act_and_combine_are_bitwise_the_separate_launches(t: int, shared: str,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """FC2 with moe_act folded into its staging and moe_combine into its last CTAs gives bitwise the output of the
-    separate launches, for each fusion, eagerly and replayed from a CUDA graph (each launch must leave its row-block
-    counters at zero; at T = 13 / 16 unused expert slots' CTAs take part in the count)."""
-    moe, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, shared, torch.bfloat16)
-    w13, w2, s13, s2 = mm.weights()
-    w = w.float()
-    monkeypatch.setattr(moe_cuda, "FUSE", {})
-    ref = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
-    truth = moe(x.float())
-    assert float((ref.float() - truth).norm() / truth.norm()) < 1.5e-2
-    for fuse in [("act",), ("combine",), ("act", "combine")]:
-        monkeypatch.setattr(moe_cuda, "FUSE", {1: fuse, 2: fuse})
-        out = torch.full_like(x, float("nan"))
-        moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2, out=out)
-        assert torch.equal(out, ref), fuse
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2, out=out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, ref)
-
-
-@pytest.mark.gpu
 def test_moe_decode_mma_float32_tokens_and_large_activations() -> None:
     # tokens past f16's range (and FC1 outputs far past it): the per-row power-of-two staging must keep them
     moe, mm, x, ids, w = _case(4, 1024, 256, 16, 4, "mxfp8", torch.float32, x_scale=3e5)
@@ -340,19 +303,15 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
 
 
 @pytest.mark.parametrize("cuda_route", [True, False])
-@pytest.mark.parametrize("fuse", [(), ("act",), ("combine",), ("act", "combine")])
-def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, fuse: tuple[str, ...],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """T <= 16 on a CUDA device goes to the CUDA kernels (routing + staging in one CUDA launch with ``CUDA_ROUTE``,
-    else the GEMV + fused_route + moe_stage_x; act / combine launched unless FC2 folds them in); every launch is a
-    spec the offline lowering compiled (meta tensors stand in for the GPU: no data, no sync), with the grids the
-    kernels expect."""
+    else the GEMV + fused_route + moe_stage_x); every launch is a spec the offline lowering compiled (meta tensors
+    stand in for the GPU: no data, no sync), with the grids the kernels expect."""
     from m3c.backends.kernels import megamoe as mm_mod
     from m3c.backends.kernels import moe_routing
     from m3c.backends.kernels.megamoe import megamoe, megamoe_specs
 
     monkeypatch.setattr(moe_routing, "interpreting", lambda: False)  # the GPU's routing spec, as the lowering lists
-    monkeypatch.setattr(moe_cuda, "FUSE", {1: fuse, 2: fuse})
 
     h, inter, e, k, s = 6144, 1536, 64, 8, 1536
     listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")}
@@ -369,10 +328,8 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, fuse: tuple[
                 routed_scaling_factor=2.5, norm_topk_prob=True,
                 runner=lambda sp, grid, args, seen=seen: seen.append((sp, grid, args)))
         kernels = [sp.kernel for sp, _, _ in seen if getattr(sp, "kernel", None)]
-        want = [first, "moe_fc1", *(() if "act" in fuse else ("moe_act",)), "moe_fc2",
-                *(() if "combine" in fuse else ("moe_combine",))]
-        assert kernels == want, (t, kernels)
-        assert len(seen) == len(want) + (0 if cuda_route else 1), t  # the old path also launches fused_route
+        assert kernels == [first, "moe_fc1", "moe_act", "moe_fc2", "moe_combine"], (t, kernels)
+        assert len(seen) == (5 if cuda_route else 6), t  # the old path also launches fused_route (Triton)
         assert all(sp.key() in listed for sp, _, _ in seen), t
         nt = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == "moe_fc1").defines)["NT"]
         assert nt == (1 if t <= 8 else 2)

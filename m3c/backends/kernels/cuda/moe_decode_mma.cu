@@ -5,13 +5,11 @@
 // column tiles), ACT_BF16 (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by
 // lookups to E4M3 + cvt), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
 // [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked).
-// FUSE_ACT / FUSE_COMBINE fold moe_act into FC2's staging and moe_combine into FC2's last CTAs (bitwise the same).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine, each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert, prefetching its weights)
 // overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the previous
-// two launches wrote is read (FC2 after moe_act reads the routing, which finished before FC1 passed its wait; with
-// FUSE_ACT it waits first).
+// two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
 #ifndef WARPS
 #define WARPS 4
 #endif
@@ -34,12 +32,6 @@
 #define FC_BOUNDS __launch_bounds__(WARPS * 32, 4)
 #else
 #define FC_BOUNDS __launch_bounds__(WARPS * 32)
-#endif
-#ifndef FUSE_ACT
-#define FUSE_ACT 0  // 1: FC2 computes its pairs' SiLU(gate) * up from h itself (no moe_act launch)
-#endif
-#ifndef FUSE_COMBINE
-#define FUSE_COMBINE 0  // 1: the last FC2 CTA of each 128-row block sums the block's outputs (no moe_combine launch)
 #endif
 #define MAXT (8 * NT)
 
@@ -129,15 +121,13 @@ __device__ __forceinline__ void act_pair(const float* hp, long split, int K, int
   }
 }
 
-// One pair's activations over THR threads, K <= 4096 (value pairs at k = 2 (thread + THR i)): every load issued up
-// front (addresses clamped inside the row, values masked after; steps wholly past K skipped).
-template <int SPL, int THR>
-__device__ void act_row(const float* hp, long split, int K, float (&v)[4096 / THR], float& m) {
+// One pair's activations: every load issued up front (addresses clamped inside the row, values masked after).
+template <int SPL>
+__device__ void act_row(const float* hp, long split, int K, float (&v)[16], float& m) {
 #pragma unroll
-  for (int i = 0; i < 2048 / THR; ++i) {
-    const int k = 2 * ((int)threadIdx.x + THR * i);
-    v[2 * i] = v[2 * i + 1] = 0.f;
-    if (2 * THR * i < K) act_pair<SPL>(hp, split, K, min(k, K - 2), v + 2 * i);
+  for (int i = 0; i < 8; ++i) {
+    const int k = 2 * (threadIdx.x + 256 * i);
+    act_pair<SPL>(hp, split, K, min(k, K - 2), v + 2 * i);
     if (k >= K) v[2 * i] = v[2 * i + 1] = 0.f;
     m = fmaxf(m, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
   }
@@ -159,10 +149,10 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
   float v[16];
   float m = 0.f;
   switch (splits) {
-    case 1: act_row<1, 256>(hp, split, K, v, m); break;
-    case 2: act_row<2, 256>(hp, split, K, v, m); break;
-    case 4: act_row<4, 256>(hp, split, K, v, m); break;
-    default: act_row<8, 256>(hp, split, K, v, m); break;
+    case 1: act_row<1>(hp, split, K, v, m); break;
+    case 2: act_row<2>(hp, split, K, v, m); break;
+    case 4: act_row<4>(hp, split, K, v, m); break;
+    default: act_row<8>(hp, split, K, v, m); break;
   }
   float down, up;
   pow2_scale(block_max(m, red), down, up);
@@ -251,72 +241,6 @@ __device__ void stage_rows(const u16* src, const float* src_mult, const int* row
   }
   for (int n = threadIdx.x; n < T; n += blockDim.x) mult[n] = rowof[n] >= 0 ? src_mult[rowof[n]] : 0.f;
   __syncthreads();
-}
-
-// FUSE_ACT: FC2's staging with moe_act folded in. For each token n with a pair p here, act = SiLU(gate) * up of
-// p's FC1 splits over all K (its largest magnitude sets 2^-e), rounded as moe_act does, into xs[n, :Kc] for K
-// [k0, k0 + Kc), mult[n] = 2^e: bitwise what moe_act and stage_rows give.
-template <int SPL>
-__device__ void stage_act_n(const float* h, long split, const int* pair, int T, int ROWS, int K, int k0, int Kc,
-                            u16* xs, float* mult, float* red) {
-  constexpr int THR = 32 * WARPS;
-  for (int n = 0; n < T; ++n) {
-    const int p = pair[n];
-    if (p < 0) {
-      if (threadIdx.x == 0) mult[n] = 0.f;
-      continue;
-    }
-    float v[4096 / THR], m = 0.f;
-    act_row<SPL, THR>(h + (long)p * ROWS, split, K, v, m);
-    float down, up;
-    pow2_scale(block_max(m, red), down, up);
-#pragma unroll
-    for (int i = 0; i < 2048 / THR; ++i) {
-      const int k = 2 * ((int)threadIdx.x + THR * i);
-      if (k >= k0 && k < k0 + Kc)
-        *(u32*)(xs + (long)n * (Kc + 4) + k - k0) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
-    }
-    if (threadIdx.x == 0) mult[n] = up;
-  }
-  __syncthreads();
-}
-
-__device__ void stage_act(const float* h, int splits, long split, const int* pair, int T, int ROWS, int K, int k0,
-                          int Kc, u16* xs, float* mult, float* red) {
-  switch (splits) {
-    case 1: stage_act_n<1>(h, split, pair, T, ROWS, K, k0, Kc, xs, mult, red); break;
-    case 2: stage_act_n<2>(h, split, pair, T, ROWS, K, k0, Kc, xs, mult, red); break;
-    case 4: stage_act_n<4>(h, split, pair, T, ROWS, K, k0, Kc, xs, mult, red); break;
-    default: stage_act_n<8>(h, split, pair, T, ROWS, K, k0, Kc, xs, mult, red); break;
-  }
-}
-
-// FUSE_COMBINE: once its y rows are stored, each FC2 CTA arrives at its 128-row block's counter; the last of the
-// block's `expected` CTAs (one a routed slot, used or not, and one a shared-expert split) sums the block's rows as
-// moe_combine does, in its order (bitwise its output), and leaves the counter at zero for the next launch.
-__device__ void combine_rows(const float* y, const long long* ids, int E, int T, int topk, int KSs, int P, int H,
-                             int row0, int expected, int* counter, void* out, int* flag) {
-  __syncthreads();  // the CTA's y stores precede thread 0's release (cumulative) below
-  if (threadIdx.x == 0) {
-    const int last = arrive(counter + row0 / (32 * WARPS)) == expected - 1;
-    if (last) counter[row0 / (32 * WARPS)] = 0;
-    *flag = last;
-  }
-  __syncthreads();
-  if (!*flag) return;
-  for (int i = threadIdx.x; i < T * 32 * WARPS; i += blockDim.x) {
-    const int n = i / (32 * WARPS), c = row0 + i % (32 * WARPS);
-    bool valid = true;
-    for (int k = 0; k < topk; ++k) valid = valid && ids[n * topk + k] >= 0 && ids[n * topk + k] < E;
-    float s = valid ? 0.f : __uint_as_float(0x7FC00000u);
-    for (int k = 0; k < topk && valid; ++k) s += __ldcg(y + (long)(n * topk + k) * H + c);
-    for (int k = 0; k < KSs; ++k) s += __ldcg(y + ((long)k * P + T * topk + n) * H + c);
-#if ACT_BF16
-    ((u16*)out)[(long)n * H + c] = bf16_bits(s);
-#else
-    ((float*)out)[(long)n * H + c] = s;
-#endif
-  }
 }
 
 // Stage the tokens straight from x (FC1's shared-expert items, before grid_wait(); bitwise what moe_stage_x and
@@ -662,41 +586,26 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
 }
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs). Before
-// grid_wait(): its expert, pairs and the L2 prefetch (the routing finished before FC1 passed its wait). FUSE_ACT:
-// act from h (FC1's KSr1 / KSs1 splits) instead of act16; FUSE_COMBINE: out from y in the last CTAs (counter: one
-// zeroed int a 128-row block).
+// grid_wait(): its expert, pairs and the L2 prefetch (the routing finished before FC1 passed its wait).
 extern "C" __global__ void FC_BOUNDS
-moe_fc2(const u16* act16, const float* amult, const float* h, int KSr1, int KSs1, int T, const long long* ids,
-        const float* wts, int topk, int E, int n_slots, const u8* rcode, const u8* rscale, const float* rrow,
-        const u8* scode, const u8* sscale, int I, int S, int H, int KSs, int P, int ROWS, float* y, void* out,
-        int* counter, void* scratch0, void* scratch1) {
+moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
+        int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
+        int S, int H, int KSs, int P, int ROWS, float* y, void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32];
-  __shared__ float mult[MAXT], red[WARPS];
-  __shared__ int pair[MAXT], last;
-#if FUSE_ACT  // FC1 is the predecessor: it lets FC2 launch before the routing is done, so wait before reading ids
-  grid_wait();
-#endif
+  __shared__ float mult[MAXT];
+  __shared__ int pair[MAXT];
   Block b;
-  if (find_block(b, blockIdx.x, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) {
-    find_pairs(pair, ids, T, topk, b.expert);
-    const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
-    prefetch_first(b, H, K, Kc, rcode, scode);
-    grid_wait();
-    grid_launch_dependents();
-    u16* xs = (u16*)smem;
-#if FUSE_ACT
-    stage_act(h, b.expert >= 0 ? KSr1 : KSs1, (long)P * ROWS, pair, T, ROWS, K, b.ks * Kc, Kc, xs, mult, red);
-#else
-    stage_rows(act16, amult, pair, T, ROWS / 2, b.ks * Kc, Kc, xs, mult);
-#endif
-    run_tiles(b, H, K, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, b.expert >= 0 ? wts : nullptr,
-              y + (long)b.ks * P * H, H);
-  }
-#if FUSE_COMBINE
-  grid_wait();  // (CTAs of unused slots reach here without having waited)
-  combine_rows(y, ids, E, T, topk, S > 0 ? KSs : 0, P, H, b.row0, n_slots + (S > 0 ? KSs : 0), counter, out, &last);
-#endif
+  if (!find_block(b, blockIdx.x, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
+  find_pairs(pair, ids, T, topk, b.expert);
+  const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
+  prefetch_first(b, H, K, Kc, rcode, scode);
+  grid_wait();
+  grid_launch_dependents();
+  u16* xs = (u16*)smem;
+  stage_rows(act16, amult, pair, T, ROWS / 2, b.ks * Kc, Kc, xs, mult);
+  run_tiles(b, H, K, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, b.expert >= 0 ? wts : nullptr,
+            y + (long)b.ks * P * H, H);
 }
 
 // out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits). A
