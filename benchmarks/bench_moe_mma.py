@@ -9,12 +9,13 @@ moe_stage_x), and those routing + staging launches alone, (c) the old routing + 
 (touched NVFP4 + MXFP8 bytes at 4.28 TB/s) and each path's fraction of it. Settings to compare: --decode
 (0: prmt to f16, 1: prmt to E4M3 + cvt), --natural (1: the routed experts read in their own layout, no
 prepacked copy; with decode 0 only) and --pdl (the kernels launched as programmatic dependent launches, at every T:
-"fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice); each setting's whole op (megamoe with
+"fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice) and --fc1-min-ctas (0: FC1's own
+register choice; n: n CTAs an SM forced, at every T); each setting's whole op (megamoe with
 its routing launch, "megamoe") is timed too, and its output compared bitwise with the first setting's of the same
 decode / natural.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1] [--natural 0 1]
-    [--pdl none default fc1,act,fc2,combine]
+    [--pdl none default fc1,act,fc2,combine] [--fc1-min-ctas 0 4]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ READ_BW = 4.28e12
 H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
 
 
-def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str]]) -> list[dict]:
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int]]) -> list[dict]:
     """One T: check and time every setting."""
     x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
     cfg = moe.cfg
@@ -81,16 +82,17 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             "route_w_maxrel": float(((new_r[1] - old_r[1]).abs() / old_r[1].abs()).max()),
             "staging_equal": bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3]))}
     rows = []
-    saved = moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL
+    saved = moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS
     first: dict[tuple[int, int], torch.Tensor] = {}
     try:
-        for dec, nat, pdl in settings:
+        for dec, nat, pdl, mc in settings:
+            moe_cuda.FC1_MIN_CTAS = {1: mc, 2: mc} if mc else {}
             kernels = tuple(f"moe_{k}" for k in pdl.replace("moe_", "").split(",") if k != "none")
             moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
             moe_cuda.PDL = saved[2] if pdl == "default" else {1: kernels, 2: kernels}
             out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
             ref = first.setdefault((dec, nat), out)
-            row = dict(base, decode=dec, natural=nat, pdl=pdl,
+            row = dict(base, decode=dec, natural=nat, pdl=pdl, fc1_min_ctas=mc,
                        err=float((out.float() - truth).norm() / truth.norm()),
                        max_vs_triton=float((out.float() - triton_out.float()).abs().max()),
                        equal_to_first=bool(torch.equal(out, ref)))
@@ -109,7 +111,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:  # the module settings as they were, whatever happened
-        moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL = saved
+        moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS = saved
     return rows
 
 
@@ -121,8 +123,10 @@ def main() -> None:
     ap.add_argument("--natural", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--pdl", nargs="+", default=["default"],
                     help="kernels launched programmatically, comma-separated (fc1,act,fc2,combine), none or default")
+    ap.add_argument("--fc1-min-ctas", type=int, nargs="+", default=[0])
     args = ap.parse_args()
-    settings = [(d, n, p) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl]
+    settings = [(d, n, p, m) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
+                for m in args.fc1_min_ctas]
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
@@ -130,13 +134,13 @@ def main() -> None:
     for t in (int(v) for v in args.tokens.split(",")):
         record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, gen, settings))
     write_results("moe_mma", rows, shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
+    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
           f"{'megamoe':>8} {'old rt':>8} {'route':>7} {'old rt':>7} {'err':>8} {'tri err':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['T']:>3} {r['error']}")
             continue
-        print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['natural']:>3} {r['pdl']:>22} "
+        print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['natural']:>3} {r['pdl']:>22} {r['fc1_min_ctas']:>2} "
               f"{r['experts_ms'] * 1e3:>7.1f}u "
               f"{r['triton_experts_ms'] * 1e3:>7.1f}u {r['floor_ms'] * 1e3:>6.1f}u {100 * r['bw_fraction']:>5.1f} "
               f"{r['whole_ms'] * 1e3:>7.1f}u {r['megamoe_ms'] * 1e3:>7.1f}u {r['megamoe_old_route_ms'] * 1e3:>7.1f}u "

@@ -84,6 +84,10 @@ PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 the routing launch (module docstring, launch 2), FC2 finds its expert during act. Measured on the H200 (same run,
 benchmarks/RESULTS.md session 18): T = 16 2.5% faster, T = 4 ~1.5%, T = 1 2-5% slower (FC1's routed CTAs wait
 longer in griddepcontrol.wait than a graph's kernel boundary takes), so only the two-tile (T > 8) build uses it."""
+FC1_MIN_CTAS: dict[int, int] = {2: 4}
+"""Per NT, FC1 CTAs an SM the compiler must fit (``__launch_bounds__`` minimum; left to itself it takes 167 registers
+at NT = 2, i.e. 3 CTAs an SM). Forcing 4 at NT = 2 (128 registers, 3 spilled words) made FC1 10.5% faster at T = 16,
+8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output; benchmarks/RESULTS.md session 18)."""
 _ROWS_PER_CTA = 32 * WARPS
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
@@ -155,14 +159,16 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens)."""
-    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())))
+    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
+                      FC1_MIN_CTAS.get(nt, 0))
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
-               natural: bool = False, pdl: tuple[str, ...] = ()) -> tuple[CudaKernelSpec, ...]:
+               natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0
+               ) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
-         *((("NATURAL", 1),) if natural else ()))
+         *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()))
     p, i = "*u8", "i32"
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:

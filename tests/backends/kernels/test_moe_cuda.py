@@ -136,8 +136,12 @@ def test_dependent_launches_wait_and_release_in_sass(nt: int, monkeypatch: pytes
     specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt)
     assert [sp.pdl for sp in specs] == [False, True, True, True, True]
     for spec in specs:
-        sass = disassemble(compile_cuda(spec, "sm_90a").binary)
-        assert "ACQBULK" in sass and "PREEXIT" in sass and "STL" not in sass, spec.kernel
+        sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
+        sass = sass.split("Function :")[0]
+        assert "ACQBULK" in sass and "PREEXIT" in sass, spec.kernel
+        # FC1 at NT = 2 is held to 4 CTAs an SM (FC1_MIN_CTAS): a few spilled words, no more
+        assert sass.count("STL") <= (4 if spec.kernel == "moe_fc1" and nt == 2 else 0), spec.kernel
+    assert ("FC1_MIN_CTAS", 4) in specs[1].defines if nt == 2 else "FC1_MIN_CTAS" not in dict(specs[1].defines)
     monkeypatch.setattr(moe_cuda, "PDL", {})
     plain = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt)
     assert not any(sp.pdl for sp in plain)

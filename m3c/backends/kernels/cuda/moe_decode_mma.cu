@@ -33,6 +33,11 @@
 #else
 #define FC_BOUNDS __launch_bounds__(WARPS * 32)
 #endif
+#ifdef FC1_MIN_CTAS  // FC1 CTAs an SM the compiler must fit (registers <= 64K / (32 WARPS FC1_MIN_CTAS))
+#define FC1_BOUNDS __launch_bounds__(WARPS * 32, FC1_MIN_CTAS)
+#else
+#define FC1_BOUNDS FC_BOUNDS
+#endif
 #define MAXT (8 * NT)
 
 #include "moe_tokens.cuh"
@@ -554,7 +559,7 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
 // expert's items come first in the grid and run their GEMV before grid_wait() (during the routing launch), staging
 // the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens).
-extern "C" __global__ void FC_BOUNDS
+extern "C" __global__ void FC1_BOUNDS
 moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode,
         const u8* sscale, int srows, int H, int KSr, int KSs, float* h, int P, int ROWS, void* scratch0,
