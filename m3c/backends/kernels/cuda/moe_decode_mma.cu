@@ -40,6 +40,7 @@
 #endif
 #define MAXT (8 * NT)
 
+#include "ptx_common.cuh"
 #include "moe_tokens.cuh"
 
 // Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the

@@ -36,6 +36,7 @@
 #define THREADS 256
 #define WARPS_R 8
 
+#include "ptx_common.cuh"
 #include "moe_tokens.cuh"
 
 __device__ __forceinline__ float4 ld_stream_f4(const float* p) {
