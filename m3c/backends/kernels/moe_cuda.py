@@ -82,8 +82,8 @@ PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 """Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
 :data:`PDL_KERNELS`): each starts while its predecessor runs, FC1's shared-expert items run their whole GEMV during
 the routing launch (module docstring, launch 2), FC2 finds its expert during act. Measured on the H200 (same run,
-benchmarks/RESULTS.md session 18): T = 16 2.5% faster, T = 4 ~1.5%, T = 1 2-5% slower (FC1's routed CTAs wait
-longer in griddepcontrol.wait than a graph's kernel boundary takes), so only the two-tile (T > 8) build uses it."""
+benchmarks/RESULTS.md session 18): T = 16 2.2-2.5% faster, T = 4 ~1.5% (inside the noise), T = 1 the experts alone
+~5 us slower (cause not measured), so only the two-tile (T > 8) build uses it."""
 FC1_MIN_CTAS: dict[int, int] = {2: 4}
 """Per NT, FC1 CTAs an SM the compiler must fit (``__launch_bounds__`` minimum; left to itself it takes 167 registers
 at NT = 2, i.e. 3 CTAs an SM). Forcing 4 at NT = 2 (128 registers, 3 spilled words) made FC1 10.5% faster at T = 16,

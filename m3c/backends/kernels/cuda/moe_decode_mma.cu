@@ -258,8 +258,7 @@ __device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* x
     float m = 0.f;
 #pragma unroll 4
     for (int k = 4 * lane; k < H; k += 128) {
-      const float4 v = load_act4(x, (long)n * H + k);
-      m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+      m = amax4(m, load_act4(x, (long)n * H + k));
     }
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) tmax[n] = m;

@@ -79,8 +79,7 @@ __device__ void stage_token(const void* x, int H, u16* x16, float* xmult, int n,
   float m = 0.f;
 #pragma unroll 8
   for (int k = 4 * threadIdx.x; k < H; k += 4 * THREADS) {  // unrolled: the row's loads in flight together
-    const float4 v = load_act4(x, row + k);
-    m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    m = amax4(m, load_act4(x, row + k));
   }
   for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (lane == 0) red[warp] = m;

@@ -1,5 +1,5 @@
-// Token loads and f16 staging scales shared by the MoE decode kernels (moe_decode_mma.cu, moe_route.cu): ACT_BF16
-// (set by the including file) says whether the tokens are bf16 (else float32).
+// Token loads, row maxima and f16 staging scales shared by the MoE decode kernels (moe_decode_mma.cu,
+// moe_route.cu): ACT_BF16 (set by the including file) says whether the tokens are bf16 (else float32).
 #pragma once
 
 #include "ptx_common.cuh"
@@ -21,6 +21,11 @@ __device__ __forceinline__ float4 load_act4(const void* x, long i) {
 #else
   return *(const float4*)((const float*)x + i);
 #endif
+}
+
+// max(m, |v.x|, |v.y|, |v.z|, |v.w|): a step of a row's largest magnitude (exact in any order; NaN ignored).
+__device__ __forceinline__ float amax4(float m, float4 v) {
+  return fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
 }
 
 // Down-scale 2^-e and up-scale 2^e (as floats) for a row whose largest magnitude is amax: amax * 2^-e lands in
