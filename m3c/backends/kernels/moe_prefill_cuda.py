@@ -40,6 +40,11 @@ The tokens and act are E4M3 with one float32 scale a row (amax / 448, the ``moe_
 rounding of tokens, act and weights (~4.8%) and the tensor core's E4M3 accumulator, which keeps fewer bits than
 float32 (1.7% at K = 6144, growing with K; ``PROMOTE`` sums each 128-K stage in a fresh accumulator added in
 float32 — exact, but its second accumulator only fits the registers at 2 warpgroups, 7.8 ms).
+
+Build knobs measured and left off (session 19, fp8 at T = 4096): BT 256 x 2 warpgroups (``m64n256k32``; a tile of at
+most 128 tokens runs the N = 128 MMA on the accumulator's first half) 6.5-6.7 ms vs 4.9; two CTAs an SM of 2
+warpgroups (``CTAS``) 5.6-5.8; padded token chunks (``XPAD`` 64, no bank conflicts in the copies) unchanged. The
+per-warp decode between MMAs is the limit (:mod:`m3c.backends.kernels.moe_prefill_ws` moves it to a producer).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ WGS = 4  # warpgroups a CTA (64 weight rows each)
 BT = 128  # tokens a CTA (wgmma N: 64, 128 or 256)
 STAGES = 5  # cp.async ring depth (stages of 128 bytes a token row; prefetch distance STAGES - 2)
 INFLIGHT = 1  # wgmma groups a warpgroup leaves in flight after each step (1, 2 or 3)
+XPAD = 0  # bytes of padding between the token tile's 16-byte K chunks (64: bank-conflict-free cp.async)
+CTAS = 1  # CTAs an SM the kernels' registers are held to (launch bounds); their shared memory must fit as many
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
 KST = 64
 ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128
@@ -76,9 +83,10 @@ _TAG = "wgmma prefill"
 _WEXP_TAG = "wgmma prefill fp8 exponent"
 
 
-def _smem(bt: int, wgs: int, stages: int) -> int:
-    """Dynamic shared memory of the kernels: per stage the tokens (bt x 64 bf16), codes and scales of 4 wgs tiles."""
-    return stages * (bt * KST * 2 + 4 * wgs * 1024 + 4 * wgs * 256)
+def _smem(bt: int, wgs: int, stages: int, xpad: int = 0) -> int:
+    """Dynamic shared memory of the kernels: per stage the tokens (bt x 64 bf16 in 8 chunks of 16 bytes, each
+    padded by xpad), codes and scales of 4 wgs tiles."""
+    return stages * (bt * KST * 2 + 8 * xpad + 4 * wgs * 1024 + 4 * wgs * 256)
 
 
 def supported(hidden: int, inter: int, shared_inter: int, act_dtype: str, w13_fmt: str,
@@ -110,21 +118,28 @@ def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
     are runtime arguments): (FC1, FC2), and for ``precision="fp8"`` (default :data:`PRECISION`) the row quantizer
     that makes the E4M3 tokens and act."""
     fp8 = check_precision(precision) == "fp8"
-    if BT not in (64, 128, 256) or WGS not in (1, 2, 4) or not 3 <= STAGES <= 8 or (fp8 and BT != 128) \
-            or INFLIGHT not in (1, 2, 3) or (PROMOTE and fp8 and WGS > 2):
-        raise ConfigError(f"moe_prefill_cuda: BT {BT} (64 / 128 / 256; 128 for fp8), WGS {WGS} (1, 2, 4), STAGES "
-                          f"{STAGES} (3..8), INFLIGHT {INFLIGHT} (1..3), PROMOTE {PROMOTE} (WGS <= 2)")
-    if _smem(BT, WGS, STAGES) > 227 * 1024 - 1024 - 20 * BT:  # less the kernels' static arrays (20 B a token)
+    if BT not in (64, 128, 256) or WGS not in (1, 2, 4) or not 3 <= STAGES <= 8 or (fp8 and BT == 64) \
+            or INFLIGHT not in (1, 2, 3) or (PROMOTE and fp8 and (WGS > 2 or BT != 128)):
+        raise ConfigError(f"moe_prefill_cuda: BT {BT} (64 / 128 / 256; 128 or 256 for fp8), WGS {WGS} (1, 2, 4), "
+                          f"STAGES {STAGES} (3..8), INFLIGHT {INFLIGHT} (1..3), PROMOTE {PROMOTE} (WGS <= 2, BT 128)")
+    if CTAS not in (1, 2, 3, 4) or CTAS * WGS > 8:
+        raise ConfigError(f"moe_prefill_cuda: CTAS {CTAS} (1..4 CTAs an SM, at most 8 warpgroups with WGS {WGS})")
+    # an SM's 228 KiB, less 1 KiB the system reserves a CTA and the kernels' static arrays (20 B a token)
+    if XPAD % 16 or not 0 <= XPAD <= 112:
+        raise ConfigError(f"moe_prefill_cuda: XPAD {XPAD} (a multiple of 16 in 0..112)")
+    if CTAS * (_smem(BT, WGS, STAGES, XPAD) + 1024 + 20 * BT) > 228 * 1024:
         raise ConfigError(f"moe_prefill_cuda: {STAGES} stages of BT {BT}, WGS {WGS} need "
-                          f"{_smem(BT, WGS, STAGES)} bytes of shared memory, more than an H200 CTA has")
-    return _specs(BT, WGS, STAGES, fp8, INFLIGHT, PROMOTE and fp8)
+                          f"{_smem(BT, WGS, STAGES, XPAD)} bytes of shared memory a CTA, more than {CTAS} CTA(s) of an H200 "
+                          "SM have")
+    return _specs(BT, WGS, STAGES, fp8, INFLIGHT, PROMOTE and fp8, CTAS, XPAD)
 
 
 @functools.cache
-def _specs(bt: int, wgs: int, stages: int, fp8: bool, inflight: int, promote: bool) -> tuple[CudaKernelSpec, ...]:
+def _specs(bt: int, wgs: int, stages: int, fp8: bool, inflight: int, promote: bool,
+           ctas: int, xpad: int) -> tuple[CudaKernelSpec, ...]:
     d = (("WGS", wgs), ("BT", bt), ("STAGES", stages), ("ROUTED_FP8", int(fp8)), ("INFLIGHT", inflight),
-         ("PROMOTE", int(promote)))
-    smem = _smem(bt, wgs, stages)
+         ("PROMOTE", int(promote)), *((("CTAS", ctas),) if ctas > 1 else ()), *((("XPAD", xpad),) if xpad else ()))
+    smem = _smem(bt, wgs, stages, xpad)
 
     def spec(kernel: str, args: str, warps: int = 4 * wgs, shared: int = smem) -> CudaKernelSpec:
         types = tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())

@@ -22,7 +22,7 @@ from m3c.model_defs import quant
 
 @pytest.mark.parametrize("bt, wgs, stages, prec, inflight, promote", [
     (128, 4, 5, "bf16", 1, 0), (256, 2, 5, "bf16", 1, 0), (64, 2, 6, "bf16", 2, 0), (128, 4, 5, "fp8", 1, 0),
-    (128, 4, 6, "fp8", 3, 0), (128, 2, 4, "fp8", 1, 1)])
+    (128, 4, 6, "fp8", 3, 0), (128, 2, 4, "fp8", 1, 1), (256, 2, 5, "fp8", 1, 0), (256, 2, 4, "fp8", 2, 0)])
 def test_kernels_compile_for_sm90a_with_register_a_wgmma(bt: int, wgs: int, stages: int, prec: str, inflight: int,
                                                          promote: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pc, "BT", bt)
@@ -38,6 +38,9 @@ def test_kernels_compile_for_sm90a_with_register_a_wgmma(bt: int, wgs: int, stag
         assert f"HGMMA.64x{bt}x16.F32.BF16" in sass and "gdesc" in sass  # A from registers, B from a descriptor
         if prec == "fp8":  # the routed tiles: E4M3 x E4M3, k32
             assert f"QGMMA.64x{bt}x32.F32.E4M3.E4M3" in sass and "F2FP.SATFINITE.E4M3" in sass
+        if bt == 256:  # tiles of at most 128 tokens run the N = 128 MMA on the accumulator's first half
+            assert "HGMMA.64x128x16.F32.BF16" in sass
+            assert prec != "fp8" or "QGMMA.64x128x32.F32.E4M3.E4M3" in sass
         assert sass.count("HGMMA") >= 8  # 4 steps a stage, NVFP4 and MXFP8 loops
         assert "LDGSTS" in sass
         assert spec.shared_bytes == stages * (bt * 128 + wgs * 4 * 1280) and spec.num_warps == 4 * wgs
@@ -57,8 +60,15 @@ def test_build_settings_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="PROMOTE True"):
         pc.specs("fp8")  # WGS 4: the second accumulator does not fit the registers
     monkeypatch.setattr(pc, "PROMOTE", False)
+    monkeypatch.setattr(pc, "BT", 256)
+    monkeypatch.setattr(pc, "WGS", 2)
+    monkeypatch.setattr(pc, "PROMOTE", True)
+    with pytest.raises(ConfigError, match="PROMOTE True"):
+        pc.specs("fp8")  # BT 256: the accumulator alone takes 128 registers
+    monkeypatch.setattr(pc, "PROMOTE", False)
+    monkeypatch.setattr(pc, "WGS", 4)
     monkeypatch.setattr(pc, "BT", 64)
-    with pytest.raises(ConfigError, match="128 for fp8"):
+    with pytest.raises(ConfigError, match="128 or 256 for fp8"):
         pc.specs("fp8")
     monkeypatch.setattr(pc, "BT", 96)
     with pytest.raises(ConfigError, match="BT 96"):
@@ -298,16 +308,21 @@ def _fp8_model(x, ids, wts, w13, w2, sh13, sh2) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t, h, inter, e, k, s, skew, empty, wgs, inflight, promote", [
-    (77, 512, 256, 8, 2, 128, False, 2, 4, 1, False), (300, 6144, 256, 8, 2, 0, True, 3, 2, 3, False),
-    (1000, 6144, 1536, 64, 8, 1536, False, 3, 4, 2, False), (500, 6144, 1024, 16, 4, 256, True, 1, 2, 3, True)])
-def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew: bool, empty: int, wgs: int,
+@pytest.mark.parametrize("t, h, inter, e, k, s, skew, empty, bt, wgs, inflight, promote", [
+    (77, 512, 256, 8, 2, 128, False, 2, 128, 4, 1, False), (300, 6144, 256, 8, 2, 0, True, 3, 128, 2, 3, False),
+    (1000, 6144, 1536, 64, 8, 1536, False, 3, 128, 4, 2, False),
+    (500, 6144, 1024, 16, 4, 256, True, 1, 128, 2, 3, True),
+    (77, 512, 256, 8, 2, 128, False, 2, 256, 2, 1, False), (700, 6144, 512, 4, 2, 256, True, 1, 256, 2, 2, False),
+    (1000, 6144, 1536, 64, 8, 1536, False, 3, 256, 2, 1, False)])
+def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew: bool, empty: int, bt: int, wgs: int,
                        inflight: int, promote: bool, rng: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """The E4M3 routed tiles against a float64 model of their own rounding, and against the exact float64
     reference (the E4M3 rounding of weights, tokens and act: ~5%); deterministic. Against the model: the wgmma
     E4M3 accumulator keeps fewer than float32's bits (1.7% at K = 6144, growing with K, 0.6% at K = 256:
     benchmarks/check_fp8_accumulation.py), so without PROMOTE the bound is loose; with PROMOTE (a fresh accumulator
-    a 128-K stage, added in float32) the model holds to ~0.5% at every K (bf16 act rounding flips)."""
+    a 128-K stage, added in float32) the model holds to ~0.5% at every K (bf16 act rounding flips). BT 256 builds
+    also run tiles of at most 128 tokens (the N = 128 MMA) and full ones (N = 256)."""
+    monkeypatch.setattr(pc, "BT", bt)
     monkeypatch.setattr(pc, "WGS", wgs)
     monkeypatch.setattr(pc, "INFLIGHT", inflight)
     monkeypatch.setattr(pc, "PROMOTE", promote)

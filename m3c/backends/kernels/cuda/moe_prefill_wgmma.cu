@@ -23,8 +23,8 @@
 #ifndef BT
 #define BT 128      // tokens per CTA (the MMA's N): 64, 128 or 256
 #endif
-#if ROUTED_FP8 && BT != 128
-#error "ROUTED_FP8 builds take BT 128 (wgmma m64n128k32)"
+#if ROUTED_FP8 && BT != 128 && BT != 256
+#error "ROUTED_FP8 builds take BT 128 or 256 (wgmma m64n128k32 / m64n256k32)"
 #endif
 #ifndef STAGES
 #define STAGES 5    // cp.async ring depth (stages of 128 bytes a token row; prefetch distance STAGES - 2)
@@ -35,55 +35,30 @@
 #ifndef INFLIGHT
 #define INFLIGHT 1  // wgmma groups a warpgroup leaves in flight after each step: 1 (2 A register sets) or 2, 3 (4 sets)
 #endif
+#if PROMOTE && BT != 128
+#error "PROMOTE builds take BT 128 (a second accumulator of BT / 2 registers)"
+#endif
+#ifndef CTAS
+#define CTAS 1      // CTAs an SM the registers are held to (__launch_bounds__; shared memory must fit them too)
+#endif
 #define NSETS (INFLIGHT == 1 ? 2 : 4)
 #define THREADS (WGS * 128)
 #define ROWS (WGS * 64)
 #define TILES (ROWS / 16)
 #define KST 64
-#define X_BYTES (BT * KST * 2)
+#ifndef XPAD
+#define XPAD 0      // bytes between the token chunks' core-matrix runs (64: the 8 lanes of a copy phase hit 8 bank groups)
+#endif
+#define XLBO (BT * 16 + XPAD)  // between K-adjacent core matrices of the token tile (one 16-byte chunk of all BT rows)
+#define X_BYTES (8 * XLBO)
 #define W_BYTES (TILES * 1024)  // codes of a stage: NVFP4 512 B a 16-row tile, MXFP8 1 KiB
 #define S_BYTES (TILES * 256)   // scales of a stage: NVFP4 the tile's 256-K super-chunk (256 B), MXFP8 32 B
 #define STAGE_BYTES (X_BYTES + W_BYTES + S_BYTES)
 #define ACC (BT / 2)
 
 #include "ptx_common.cuh"
+#include "wgmma_common.cuh"
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {  // 16 bytes, zeros when !ok
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-// cp.async's writes (generic proxy) made visible to wgmma's reads of shared memory (async proxy).
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-// Wait until at most N wgmma groups are pending; `a` (the A registers of the group that must be done) stays live
-// until here.
-template <int N>
-__device__ __forceinline__ void wg_wait(u32 (&a)[4]) {
-  asm volatile("wgmma.wait_group.sync.aligned %4;" : "+r"(a[0]), "+r"(a[1]), "+r"(a[2]), "+r"(a[3]) : "n"(N)
-               : "memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&d)[N]) {  // the compiler keeps the accumulators in place
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Shared-memory matrix descriptor of a K-major B tile without swizzle: core matrices of 8 tokens x 8 K (128
-// contiguous bytes), LBO = the distance between K-adjacent core matrices, SBO = between token-adjacent ones.
-__device__ __forceinline__ unsigned long long smem_desc(u32 addr, u32 lbo, u32 sbo) {
-  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
-         ((unsigned long long)(sbo >> 4) << 32);
-}
 
 __device__ __forceinline__ u32 hmul2_bf16(u32 a, u32 b) {
   u32 r;
@@ -140,21 +115,6 @@ __device__ __forceinline__ void wgmma_n64(float (&d)[32], const u32 (&a)[4], uns
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
-// The 64 accumulator operands of an m64n128 wgmma (asm template text, then the constraints).
-#define D64_TEXT \
-  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"              \
-  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"    \
-  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"    \
-  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-#define D64_OUT(d)                                                                                      \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),        \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),  \
-  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-  "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-  "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-  "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-  "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
 // d[0..64) += A (the warpgroup's 64 rows x 16 K, bf16 registers) . B (16 K x 128 tokens, shared memory).
 __device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32 (&a)[4], unsigned long long desc) {
@@ -200,37 +160,6 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], const u32 (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
-// f16x2 -> two E4M3 bytes (round to nearest even, saturating to +-448) in the low 16 bits.
-__device__ __forceinline__ u32 f16x2_to_e4m3x2(u32 v) {
-  u32 r;
-  asm("{ .reg .b16 d; cvt.rn.satfinite.e4m3x2.f16x2 d, %1; cvt.u32.u16 %0, d; }" : "=r"(r) : "r"(v));
-  return r;
-}
-// Two float32 values -> two E4M3 bytes (lo in bits 0-7, hi in 8-15; rn, saturating) in the low 16 bits.
-__device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
-  u32 r;
-  asm("{ .reg .b16 d; cvt.rn.satfinite.e4m3x2.f32 d, %1, %2; cvt.u32.u16 %0, d; }" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-// A lane's two E4M3 product tables of a 64-K chunk: byte i of (lo, hi) = E4M3(magnitude i x s x 2^-wexp) for the
-// E2M1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6; `sp` = the f16x2 pair (s of row g, s of row g + 8) already x 2^-wexp.
-__device__ __forceinline__ void e4m3_tables(u32 sp, u32 (&tg)[2], u32 (&tg8)[2]) {
-  const u32 s0 = prmt(sp, 0u, 0x1010u), s8 = prmt(sp, 0u, 0x3232u);
-  // f16x2 magnitude pairs: (0, .5), (1, 1.5), (2, 3), (4, 6)
-  const u32 m01 = 0x38000000u, m23 = 0x3E003C00u, m45 = 0x42004000u, m67 = 0x46004400u;
-  tg[0] = prmt(f16x2_to_e4m3x2(hmul2(s0, m01)), f16x2_to_e4m3x2(hmul2(s0, m23)), 0x5410u);
-  tg[1] = prmt(f16x2_to_e4m3x2(hmul2(s0, m45)), f16x2_to_e4m3x2(hmul2(s0, m67)), 0x5410u);
-  tg8[0] = prmt(f16x2_to_e4m3x2(hmul2(s8, m01)), f16x2_to_e4m3x2(hmul2(s8, m23)), 0x5410u);
-  tg8[1] = prmt(f16x2_to_e4m3x2(hmul2(s8, m45)), f16x2_to_e4m3x2(hmul2(s8, m67)), 0x5410u);
-}
-// One lane's NVFP4 word of a 16-K step (nvfp4_frag's packing) -> E4M3 x 4 of row g (K e = 0..3, nibbles 0, 1, 4, 5)
-// and of row g + 8 (nibbles 2, 3, 6, 7): magnitudes looked up in the rows' product tables, sign bits moved to bit 7.
-__device__ __forceinline__ void nvfp4_e4m3(u32 w, const u32 (&tg)[2], const u32 (&tg8)[2], u32& rg, u32& rg8) {
-  // signs: row g's at w bits 7, 15 (bytes 0, 1) and 3, 11 (bytes 0, 1 of w << 4); row g + 8's at 23, 31 and 19, 27
-  const u32 m = w & 0x77777777u, w4 = w << 4;
-  rg = prmt(tg[0], tg[1], prmt(m, 0u, 0x0020u)) | (prmt(w, w4, 0x5410u) & 0x80808080u);
-  rg8 = prmt(tg8[0], tg8[1], prmt(m, 0u, 0x0031u)) | (prmt(w, w4, 0x7632u) & 0x80808080u);
-}
 
 // d[0..64) += A (the warpgroup's 64 rows x 32 K, E4M3 registers) . B (32 K x 128 tokens, E4M3 in shared memory).
 // `acc` = 0: d = A . B (d's old values ignored).
@@ -244,6 +173,36 @@ __device__ __forceinline__ void wgmma8_n128(float (&d)[64], const u32 (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
 }
 
+// d[0..128) += A (64 rows x 32 K, E4M3 registers) . B (32 K x 256 tokens, E4M3 in shared memory).
+__device__ __forceinline__ void wgmma8_n256(float (&d)[128], const u32 (&a)[4], unsigned long long desc) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
+      D64_TEXT ","
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, {%128,%129,%130,%131}, %132, 1, 1, 1;\n}\n"
+      : D64_OUT(d), D64_OUT((d + 64))
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+}
+#if ROUTED_FP8
+// The routed E4M3 step of a BT-token tile on d[0 .. BT / 2); BT 256 with at most 128 tokens (`half`): the first
+// 128 columns only (an m64n128k32 on d[0 .. 64): the accumulator's columns 8 i .. 8 i + 7 are its registers 4 i ..).
+__device__ __forceinline__ void wgmma8_tile(float (&d)[BT / 2], const u32 (&a)[4], unsigned long long desc,
+                                            bool half) {
+#if BT == 256
+  if (half)
+    wgmma8_n128(*(float(*)[64])d, a, desc);
+  else
+    wgmma8_n256(d, a, desc);
+#else
+  wgmma8_n128(d, a, desc);
+#endif
+}
+#endif
+
 #if BT == 256
 #define WGMMA wgmma_n256
 #elif BT == 128
@@ -251,6 +210,16 @@ __device__ __forceinline__ void wgmma8_n128(float (&d)[64], const u32 (&a)[4], u
 #else
 #define WGMMA wgmma_n64
 #endif
+// The bf16 step of a BT-token tile; BT 256 with at most 128 tokens (`half`): the first 128 columns only.
+__device__ __forceinline__ void wgmma_tile(float (&d)[BT / 2], const u32 (&a)[4], unsigned long long desc, bool half) {
+#if BT == 256
+  if (half) {
+    wgmma_n128(*(float(*)[64])d, a, desc);
+    return;
+  }
+#endif
+  WGMMA(d, a, desc);
+}
 
 struct Work {
   int kind;    // 0: nothing (a spare CTA), 1: shared expert, 2: routed expert
@@ -307,7 +276,7 @@ enum { NV_BF16 = 0, MX_BF16 = 1, NV_E4M3 = 2 };
 // or 128 K (E4M3); `wdec` (NV_E4M3): the f16x2 pair 2^-wexp that keeps the E4M3 products in range.
 template <int MODE>
 __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long long* xoff, const u8* code,
-                                         const u8* scale, long tile0, long tile1, int K, u32 wdec,
+                                         const u8* scale, long tile0, long tile1, int K, u32 wdec, int count,
                                          float (&acc)[ACC]) {
   constexpr bool MX = MODE == MX_BF16, F8 = MODE == NV_E4M3;
   constexpr int CB = MODE == NV_BF16 ? 512 : 1024;  // code bytes of a tile-stage
@@ -316,6 +285,7 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
   const int nst = K / KS;
   const long tstride = (long)nst * CB, sstride = MX ? (long)nst * SB : (long)K;
+  const bool half = BT == 256 && count <= 128;  // MMAs (and token copies) of the first 128 columns only
   const u32 base = smem_u32(smem);
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
@@ -332,8 +302,8 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
     const int i = tid + q * THREADS, n = (i / 2) % BT, kc = 2 * (i / (2 * BT)) + (i & 1);
     const long long o = i < BT * 8 ? xoff[n] : -1;
     xsrc[q] = src + (o < 0 ? 0 : o) + 16 * kc;
-    xdst[q] = (kc * (BT / 8) + n / 8) * 128 + (n % 8) * 16;
-    xok[q] = i >= BT * 8 ? 0 : o >= 0 ? 2 : 1;
+    xdst[q] = kc * XLBO + (n / 8) * 128 + (n % 8) * 16;
+    xok[q] = i >= BT * 8 || (half && n >= 128) ? 0 : o >= 0 ? 2 : 1;
   }
   const u8* csrc[CN];
   u32 cdst[CN];
@@ -388,7 +358,7 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
       for (int t = 0; t < 4; ++t) {
         nvfp4_frag(t == 0 ? cw.x : t == 1 ? cw.y : t == 2 ? cw.z : cw.w, sg, sg8, a[t % NSETS]);
         wg_fence();
-        WGMMA(acc, a[t % NSETS], smem_desc(xb + t * BT * 32, BT * 16, 128));
+        wgmma_tile(acc, a[t % NSETS], smem_desc(xb + 2 * t * XLBO, XLBO, 128), half);
         wg_commit();
         // step t - INFLIGHT done (this stage's or the last one's): its A registers may be rewritten
         wg_wait<INFLIGHT>(a[(t + NSETS - INFLIGHT) % NSETS]);
@@ -410,9 +380,9 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
         nvfp4_e4m3(w1, tg[t >> 1], tg8[t >> 1], a[t % NSETS][2], a[t % NSETS][3]);
         wg_fence();
 #if PROMOTE
-        wgmma8_n128(part, a[t % NSETS], smem_desc(xb + t * BT * 32, BT * 16, 128), t);
+        wgmma8_n128(part, a[t % NSETS], smem_desc(xb + 2 * t * XLBO, XLBO, 128), t);
 #else
-        wgmma8_n128(acc, a[t % NSETS], smem_desc(xb + t * BT * 32, BT * 16, 128));
+        wgmma8_tile(acc, a[t % NSETS], smem_desc(xb + 2 * t * XLBO, XLBO, 128), half);
 #endif
         wg_commit();
         wg_wait<INFLIGHT>(a[(t + NSETS - INFLIGHT) % NSETS]);
@@ -434,7 +404,7 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
                       : t == 2 ? make_uint2(c1.x, c1.y) : make_uint2(c1.z, c1.w);
         mxfp8_frag(v, e8m0_pair(t < 2 ? e0 : e1), e8m0_pair(t < 2 ? e80 : e81), a[t % NSETS]);
         wg_fence();
-        WGMMA(acc, a[t % NSETS], smem_desc(xb + t * BT * 32, BT * 16, 128));
+        wgmma_tile(acc, a[t % NSETS], smem_desc(xb + 2 * t * XLBO, XLBO, 128), half);
         wg_commit();
         wg_wait<INFLIGHT>(a[(t + NSETS - INFLIGHT) % NSETS]);
       }
@@ -472,7 +442,7 @@ __device__ __forceinline__ float pow2f(int e) { return __uint_as_float((u32)(127
 // columns, which reach the gate warps through shared memory. Routed act columns are stored in the routed build's K
 // order (ACT_POS), the order FC2's routed tiles read; routed tiles read the tokens from xq, x in that order (bf16, or
 // E4M3 with the row scales xs and the weights' extra 2^wexp in the ROUTED_FP8 build).
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, CTAS)
 moe_pf_fc1(const u16* x, const u8* xq, const float* xs, const int* order, const int* offs, const u8* rcode,
            const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, u16* act, u16* sact, int T,
            int n_sh, int H, int I, int S, int E, int topk, int wexp, void* scratch0, void* scratch1) {
@@ -498,9 +468,9 @@ moe_pf_fc1(const u16* x, const u8* xq, const float* xs, const int* order, const 
   const long g0 = (long)rb * (TILES / 2), u0 = N / 16 + g0;
   if (w.kind == 2) {
     const long e0 = (long)w.expert * (2 * I / 16);
-    mainloop<ROUTED>(smem, xq, xoff, rcode, rscale, e0 + g0, e0 + u0, H, pow2_f16x2(-wexp), acc);
+    mainloop<ROUTED>(smem, xq, xoff, rcode, rscale, e0 + g0, e0 + u0, H, pow2_f16x2(-wexp), w.count, acc);
   } else {
-    mainloop<MX_BF16>(smem, (const u8*)x, xoff, scode, sscale, g0, u0, H, 0u, acc);
+    mainloop<MX_BF16>(smem, (const u8*)x, xoff, scode, sscale, g0, u0, H, 0u, w.count, acc);
   }
   __syncthreads();  // every warpgroup's MMAs are done: the stage buffers hold the up values now
   constexpr int LD = BT + 4;
@@ -545,7 +515,7 @@ moe_pf_fc1(const u16* x, const u8* xq, const float* xs, const int* order, const 
 // y[token * slots + slot, h] = (act[p] . W2[e, h]) * rrow[e, h] * wts[pair] for the tile's sorted pairs p (pair =
 // order[p] = token * topk + slot); shared tiles: y[token * slots + topk, h] = sact[token] . Ws2[h]. Routed tiles
 // read act (bf16), or in the ROUTED_FP8 build its E4M3 rows with their scales as (moe_pf_quant).
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, CTAS)
 moe_pf_fc2(const u8* act, const u16* sact, const float* as, const int* order, const float* wts, const int* offs,
            const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, u16* y, int T,
            int n_sh, int H, int I, int S, int E, int topk, int slots, int wexp, void* scratch0, void* scratch1) {
@@ -579,9 +549,9 @@ moe_pf_fc2(const u8* act, const u16* sact, const float* as, const int* order, co
   float acc[ACC];
   const long t0 = (long)rb * TILES + (w.kind == 2 ? (long)w.expert * (H / 16) : 0);
   if (w.kind == 2)
-    mainloop<ROUTED>(smem, act, xoff, rcode, rscale, t0, t0 + TILES / 2, I, pow2_f16x2(-wexp), acc);
+    mainloop<ROUTED>(smem, act, xoff, rcode, rscale, t0, t0 + TILES / 2, I, pow2_f16x2(-wexp), w.count, acc);
   else
-    mainloop<MX_BF16>(smem, (const u8*)sact, xoff, scode, sscale, t0, t0 + TILES / 2, S, 0u, acc);
+    mainloop<MX_BF16>(smem, (const u8*)sact, xoff, scode, sscale, t0, t0 + TILES / 2, S, 0u, w.count, acc);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
   const int h = rb * ROWS + warp * 16 + g;
   float f = 1.f, f8 = 1.f;
