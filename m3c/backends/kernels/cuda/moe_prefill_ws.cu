@@ -1,0 +1,278 @@
+// MegaMoE prefill FC1 for sm_90a, warp-specialized (routed NVFP4 experts, E4M3 tokens): the weights are wgmma's B
+// and the tokens its A, both from shared memory, so one decode of a CTA's weight tile serves all of its tokens and
+// the MMA warps only issue MMAs. Host side and layouts: m3c/backends/kernels/moe_prefill_ws.py.
+//
+// A CTA = 128 sorted token rows of one expert (two consumer warpgroups of 64, wgmma m64n256k32 E4M3 x E4M3, 128
+// float32 accumulators a thread) x 256 weight rows (the 128 gate and 128 up rows of 128 intermediate columns) plus
+// one producer warpgroup. Per stage of 128 K the producer copies the tokens into the stage's A buffer
+// (cp.async, completion tracked by the stage's `full` mbarrier), and decodes the weights' NVFP4 codes (staged by
+// cp.async in a RAW-deep ring) x their E4M3 scales x 2^-wexp into E4M3 (moe_prefill_wgmma.cu's product tables) in
+// the B buffer; consumers wait on `full`, issue 4 MMAs, and release the stage on `empty` when they are done.
+// B's N order interleaves gate and up: MMA column 16 m + r holds gate column 8 m + r, 16 m + 8 + r its up column
+// (r < 8), so a consumer lane holds the gate and up values of each of its columns (SiLU·up in registers).
+#ifndef STAGES
+#define STAGES 3  // A / B buffers (48 KiB each)
+#endif
+#ifndef RAW
+#define RAW 3     // raw code / scale buffers (20 KiB each)
+#endif
+#ifndef SKIP
+#define SKIP 0    // timing probes only (wrong results): 1 = consumers issue no MMAs, 2 = the producer decodes nothing
+#endif
+#ifndef CONSUMER_TOKENS
+#define CONSUMER_TOKENS 0  // the consumer warps copy the tokens (1) or the producer does (0)
+#endif
+#ifndef DECODE_FIRST
+#define DECODE_FIRST 0  // the producer decodes a stage into registers before (1) or after (0) waiting for its buffer
+#endif
+#define BT 128
+#define NR 256
+#define KS 128
+// K-adjacent core matrices (8 rows x 16 bytes) lie LBO_A / LBO_B apart: one 16-byte K chunk of every row, padded
+// so that the 8 lanes of a 16-byte store phase (the producer's token copies: 4 rows x 2 chunks; its decoded rows:
+// 2 rows x 4 chunks) hit 8 different bank groups.
+#define LBO_A (BT * 16 + 64)
+#define LBO_B (NR * 16 + 32)
+#define A_BYTES (8 * LBO_A)
+#define B_BYTES (8 * LBO_B)
+#define RC_BYTES (16 * 1024)       // codes of a stage: 16 tiles x 1 KiB
+#define RAW_BYTES (RC_BYTES + 16 * 256)  // + each tile's 256-K super-chunk of scales (256 B)
+#define NP 128  // producer threads (a second producer warpgroup leaves the m64n256 consumers < 154 registers)
+#define THREADS (256 + NP)
+
+#include "ptx_common.cuh"
+#include "wgmma_common.cuh"
+
+__device__ __forceinline__ void mbar_init(u32 a, u32 n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 a) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
+}
+// Arrive once this thread's earlier cp.async copies have landed (counted in the barrier's init count).
+__device__ __forceinline__ void mbar_cp_arrive(u32 a) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
+  u32 done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(NP) : "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait_acc(float (&d)[128]) {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+  fence_regs(d);
+}
+
+// d[0..128) += A (64 tokens x 32 K, E4M3, shared memory) . B (32 K x 256 weight rows, E4M3, shared memory).
+__device__ __forceinline__ void wgmma8_ss_n256(float (&d)[128], unsigned long long da, unsigned long long db) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
+      D64_TEXT ","
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+      "}, %128, %129, 1, 1, 1;\n}\n"
+      : D64_OUT(d), D64_OUT((d + 64))
+      : "l"(da), "l"(db));
+}
+
+// Tile t of the CTA's routed work: the expert and its first sorted pair (offs: the E + 1 expert row offsets).
+__device__ __forceinline__ bool find_tile(const int* offs, int E, int& expert, int& p0, int& count) {
+  int r = blockIdx.x, base = 0;
+  for (int e = 0; e < E; ++e) {
+    const int lo = offs[e], hi = offs[e + 1], nt = (hi - lo + BT - 1) / BT;
+    if (r < base + nt) {
+      expert = e;
+      p0 = lo + (r - base) * BT;
+      count = min(BT, hi - p0);
+      return true;
+    }
+    base += nt;
+  }
+  return false;
+}
+
+// act[p, c] = SiLU(gate) * up (bf16, as the reference's bf16 model rounds) for the tile's sorted pairs p and the
+// CTA's 128 intermediate columns c (natural order); xq: E4M3 tokens [T, H] (natural K order) with row scales xs.
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, const u8* rcode, const u8* rscale,
+           const float* rrow, u16* act, int H, int I, int E, int topk, int wexp, void* scratch0, void* scratch1) {
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ long long xoff[BT];
+  __shared__ float csc[BT];
+  __shared__ __align__(8) unsigned long long bars[2 * STAGES];
+  int expert, p0, count;
+  if (!find_tile(offs, E, expert, p0, count)) return;
+  const int rb = blockIdx.y, tid = threadIdx.x;
+  const float up2 = __uint_as_float((u32)(127 + wexp) << 23);
+  for (int n = tid; n < BT; n += THREADS) {
+    long long o = -1;
+    float f = 0.f;
+    if (n < count) {
+      const int tok = order[p0 + n] / topk;
+      o = (long long)tok * H;
+      f = xs[tok] * up2;
+    }
+    xoff[n] = o;
+    csc[n] = f;
+  }
+  const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
+  if (tid == 0) {
+    for (int i = 0; i < STAGES; ++i) {
+      // each producer thread arrives, and each token-copying thread once its copies have landed
+      mbar_init(full0 + 8 * i, NP + (CONSUMER_TOKENS ? 256 : NP));
+      mbar_init(empty0 + 8 * i, 8);    // the consumers' 8 warps
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const u32 base = smem_u32(smem);
+  const u32 abase = base, bbase = base + STAGES * A_BYTES, rbase = bbase + STAGES * B_BYTES;
+  const int nst = H / KS;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, j = lane & 3;
+  // Thread ti of nthr copies its share of stage s's tokens (chunk kc of token n at kc LBO_A + (n / 8) 128 +
+  // (n % 8) 16) and arrives on the stage's full barrier once they have landed.
+  auto load_tokens = [&](int s, int ti, int nthr) {
+    const u32 ab = abase + (s % STAGES) * A_BYTES;
+    for (int q = 0; q < 1024 / nthr; ++q) {
+      const int i = ti + nthr * q, n = (i >> 1) & 127, kc = 2 * (i >> 8) + (i & 1);
+      const long long o = xoff[n];
+      cp16(ab + kc * LBO_A + (n / 8) * 128 + (n % 8) * 16, xq + (o < 0 ? 0 : o) + s * KS + 16 * kc, o >= 0);
+    }
+    mbar_cp_arrive(full0 + 8 * (s % STAGES));
+  };
+
+  if (warp >= 8) {  // ---- producer warpgroup(s)
+    const int pt = tid - 256, pw = warp - 8;
+    const long e0 = (long)expert * (2 * I / 16), g0 = e0 + rb * 8, u0 = e0 + I / 16 + rb * 8;
+    const long tstride = (long)nst * 1024;
+    auto tile_of = [&](int t) { return t < 8 ? g0 + t : u0 + (t - 8); };
+    auto issue_raw = [&](int s) {
+      if (s < nst) {
+        const u32 rb_ = rbase + (s % RAW) * RAW_BYTES;
+#pragma unroll
+        for (int q = 0; q < 1024 / NP; ++q) {
+          const int i = pt + NP * q, t = i >> 6, c = i & 63;
+          cp16(rb_ + t * 1024 + c * 16, rcode + tile_of(t) * tstride + (long)s * 1024 + c * 16, true);
+        }
+#pragma unroll
+        for (int q = 0; q < 256 / NP; ++q) {
+          const int i = pt + NP * q, t = i >> 4, c = i & 15;
+          cp16(rb_ + RC_BYTES + t * 256 + c * 16, rscale + tile_of(t) * (long)H + (long)(s >> 1) * 256 + c * 16, true);
+        }
+      }
+      cp_commit();
+    };
+    for (int s = 0; s < RAW - 1; ++s) issue_raw(s);
+    const u32 wdec = ((u32)(15 - wexp) << 10) * 0x10001u;  // the f16x2 pair 2^-wexp
+    for (int s = 0; s < nst; ++s) {
+      const int slot = s % STAGES;
+      cp_wait<RAW - 2>();
+      producer_sync();  // raw stage s landed for every producer thread; all are done decoding stage s - 1
+#if !DECODE_FIRST
+      mbar_wait(empty0 + 8 * slot, ((s / STAGES) & 1) ^ 1);
+#endif
+#if !CONSUMER_TOKENS
+      load_tokens(s, pt, NP);
+#endif
+      issue_raw(s + RAW - 1);
+      const u8* raw = smem + (rbase - base) + (s % RAW) * RAW_BYTES;
+      u8* bsm = smem + (bbase - base) + slot * B_BYTES;
+      constexpr int TW = SKIP == 2 ? 0 : 16 / (NP / 32);  // tiles a producer warp decodes
+      uint4 dr[TW > 0 ? TW : 1][2][2];  // [tile][chunk][row g / g + 8]: 16 E4M3 of the row's K chunk 4 c + j
+#pragma unroll
+      for (int tl = 0; tl < TW; ++tl) {
+        const int t = TW * pw + tl;
+        const uint4 c0 = *(const uint4*)(raw + t * 1024 + lane * 16);
+        const uint4 c1 = *(const uint4*)(raw + t * 1024 + 512 + lane * 16);
+        const u32 sw = *(const u32*)(raw + RC_BYTES + t * 256 + lane * 8 + (s & 1) * 4);
+        u32 tg[2][2], tg8[2][2];
+        e4m3_tables(hmul2(e4m3x2_lo(sw), wdec), tg[0], tg8[0]);
+        e4m3_tables(hmul2(e4m3x2_hi(sw), wdec), tg[1], tg8[1]);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const uint4 w = c ? c1 : c0;
+          uint4& r = dr[tl][c][0];
+          uint4& r8 = dr[tl][c][1];
+          nvfp4_e4m3(w.x, tg[c], tg8[c], r.x, r8.x);
+          nvfp4_e4m3(w.y, tg[c], tg8[c], r.y, r8.y);
+          nvfp4_e4m3(w.z, tg[c], tg8[c], r.z, r8.z);
+          nvfp4_e4m3(w.w, tg[c], tg8[c], r.w, r8.w);
+        }
+      }
+#if DECODE_FIRST
+      mbar_wait(empty0 + 8 * slot, ((s / STAGES) & 1) ^ 1);  // (the decode above overlapped the consumers' MMAs)
+#endif
+#pragma unroll
+      for (int tl = 0; tl < TW; ++tl) {
+        const int t = TW * pw + tl, up = t >= 8, tt = t & 7;
+        const int n = 32 * tt + 8 * up + g;  // rows g, g + 8 of the tile -> MMA columns n, n + 16
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int kc = 4 * c + j;  // 16 K of the stage: 64 c + 16 j ..
+          uint4* d = (uint4*)(bsm + kc * LBO_B + (n / 8) * 128 + (n % 8) * 16);
+          d[0] = dr[tl][c][0];
+          d[16] = dr[tl][c][1];  // MMA column n + 16: two core matrices on
+        }
+      }
+      fence_async_smem();  // the decoded B (generic writes) visible to the consumers' wgmma (async proxy)
+      mbar_arrive(full0 + 8 * slot);
+    }
+    cp_wait<0>();
+    return;
+  }
+
+  // ---- consumer warpgroups 0, 1: tokens 64 cw .. 64 cw + 63 of the tile
+  const int cw = warp >> 2;
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+#if CONSUMER_TOKENS
+  for (int s = 0; s < min(STAGES, nst); ++s) load_tokens(s, tid, 256);  // every slot is free at first
+#endif
+  for (int s = 0; s < nst; ++s) {
+    const int slot = s % STAGES;
+    mbar_wait(full0 + 8 * slot, (s / STAGES) & 1);
+    fence_async_smem();  // the tokens' cp.async writes, seen through the barrier, visible to wgmma
+    wg_fence();
+    const u32 ab = abase + slot * A_BYTES + cw * 1024, bb = bbase + slot * B_BYTES;
+#pragma unroll
+    for (int t = 0; t < (SKIP == 1 ? 0 : 4); ++t)
+      wgmma8_ss_n256(acc, smem_desc(ab + 2 * t * LBO_A, LBO_A, 128), smem_desc(bb + 2 * t * LBO_B, LBO_B, 128));
+    wg_commit();
+    wg_wait_acc<1>(acc);  // stage s - 1's MMAs are done: release its buffers
+    if (s > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((s - 1) % STAGES));
+#if CONSUMER_TOKENS
+    if (s > 0 && s + STAGES - 1 < nst) {  // stage s + STAGES - 1 into stage s - 1's slot, once both warpgroups left it
+      mbar_wait(empty0 + 8 * ((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
+      load_tokens(s + STAGES - 1, tid, 256);
+    }
+#endif
+  }
+  wg_wait_acc<0>(acc);
+
+  const int r = 16 * (warp & 3) + g;  // the lane's token rows r, r + 8 of its warpgroup's 64
+  const long col0 = (long)rb * 128;
+  const float* fr = rrow + (long)expert * 2 * I;
+#pragma unroll
+  for (int m = 0; m < 16; ++m) {
+    const int c = 8 * m + 2 * j;
+    const float fg0 = fr[col0 + c], fg1 = fr[col0 + c + 1], fu0 = fr[I + col0 + c], fu1 = fr[I + col0 + c + 1];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int tk = 64 * cw + r + 8 * h;
+      if (tk < count) {
+        const float cs = csc[tk];
+        const float v0 = silu_mul_bf16(acc[8 * m + 2 * h] * fg0 * cs, acc[8 * m + 4 + 2 * h] * fu0 * cs);
+        const float v1 = silu_mul_bf16(acc[8 * m + 2 * h + 1] * fg1 * cs, acc[8 * m + 4 + 2 * h + 1] * fu1 * cs);
+        *(u32*)(act + (long)(p0 + tk) * I + col0 + c) = (u32)bf16_bits(v0) | ((u32)bf16_bits(v1) << 16);
+      }
+    }
+  }
+}

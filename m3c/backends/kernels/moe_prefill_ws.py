@@ -1,0 +1,84 @@
+"""MegaMoE prefill FC1, warp-specialized (``cuda/moe_prefill_ws.cu``): an sm_90a prototype of the next prefill design.
+
+Why: the register-A wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`, fp8 build) is latency-bound at
+~4,000 cycles a 128-K stage against ~1,000 of E4M3 MMA (RESULTS.md, sessions 17 and 19): every warp decodes its
+own A fragments between its MMAs (~245 instructions a warp a stage), so decode and MMA take turns on the same warps.
+Here a producer warpgroup decodes each CTA's NVFP4 weight tile into E4M3 in shared memory (wgmma's B) and copies the
+tokens (wgmma's A), and two consumer warpgroups only issue ``wgmma.m64n256k32`` from shared memory, synchronized by
+full / empty mbarriers a stage. Decode work a FLOP is the same (one decode a 128-token tile), but it runs beside
+the MMAs instead of between them.
+
+H200, m3.1-small (RESULTS.md, session 19): T = 4096 2.38 ms vs 2.46 for the register-A fp8 FC1's routed tiles in
+the same run (T = 16384: 9.06 vs 9.09): at parity, not yet the ~2x hoped for. The producer is the limit: with the
+consumers' MMAs removed it alone takes 2.3-2.6 ms, while the consumers with the decode removed take 1.8 ms (680 TFLOP/s).
+One producer warpgroup is all the registers allow (512 threads cap them at 128; the m64n256 consumers need >= 154).
+Not wired into ``megamoe``: next, a cheaper producer (TMA for the tokens, fewer decode instructions) and FC2.
+
+Routed experts only (the shared expert stays in the register-A kernels); tokens in E4M3 with one float32 scale a
+row in natural K order (``moe_pf_quant`` with ``permute=0``); ``act`` in natural column order. Weights: moe_cuda's
+prepacked NVFP4 copy (:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`), whose lane (g, j) holds rows g, g + 8
+at K 16 j .. 16 j + 15 of each 64-K chunk — one 16-byte E4M3 row chunk each, written where B's K-major core
+matrices want them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from m3c.backends.cuda_aot import CudaKernelSpec
+from m3c.backends.triton_aot import Runner, jit_run
+from m3c.errors import ConfigError, ShapeError
+
+SOURCE = "moe_prefill_ws.cu"
+STAGES = 3  # A / B buffers (48 KiB each)
+RAW = 3  # raw code / scale buffers (20 KiB each)
+BT = 128  # sorted token rows a CTA
+COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
+KS = 128
+CONSUMER_TOKENS = False  # the consumer warps copy the tokens (else the producer does; 3% faster, session 19)
+DECODE_FIRST = False  # the producer decodes a stage into registers before waiting for its buffer (8% slower)
+SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing
+
+
+def smem_bytes(stages: int, raw: int) -> int:
+    """Dynamic shared memory: the A (tokens) and B (decoded weights) buffers (8 K chunks of 16 bytes a row, each
+    chunk's rows padded by 64 / 32 bytes against bank conflicts) and the raw code / scale ring."""
+    return stages * 8 * ((BT * 16 + 64) + (2 * COLS * 16 + 32)) + raw * (16 * 1024 + 16 * 256)
+
+
+def fc1_spec() -> CudaKernelSpec:
+    """The FC1 kernel's spec at the current :data:`STAGES` / :data:`RAW`."""
+    if not 2 <= STAGES <= 4 or not 2 <= RAW <= 4 or smem_bytes(STAGES, RAW) > 227 * 1024 - 2048:
+        raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
+    return _spec(STAGES, RAW, SKIP, CONSUMER_TOKENS, DECODE_FIRST)
+
+
+@functools.cache
+def _spec(stages: int, raw: int, skip: int, consumer_tokens: bool, decode_first: bool) -> CudaKernelSpec:
+    args = "*xq *xs *order *offs *rcode *rscale *rrow *act H I E topk wexp"
+    types = tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())
+    d = (("STAGES", stages), ("RAW", raw), ("CONSUMER_TOKENS", int(consumer_tokens)),
+         ("DECODE_FIRST", int(decode_first)), *((("SKIP", skip),) if skip else ()))
+    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw))
+
+
+def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, rcode: torch.Tensor,
+        rscale: torch.Tensor, rrow: torch.Tensor, act: torch.Tensor, *, top_k: int, wexp: int,
+        runner: Runner = jit_run) -> torch.Tensor:
+    """act[p, c] = SiLU(gate) * up of sorted pair p (order[p] = token * top_k + slot) for the routed experts:
+    xq [T, H] E4M3 codes (uint8) with row scales xs [T]; offs [E + 1] the experts' pair offsets; (rcode, rscale)
+    moe_cuda's prepacked w13 [E, 2I, H]; rrow (E x 2I float32) its per-row tensor scales; wexp its fp8 exponent
+    (:func:`m3c.backends.kernels.moe_prefill_cuda.fp8_exponent`); act [T * top_k, I] bf16 (written)."""
+    t, h = xq.shape
+    p, inter = act.shape
+    e = offs.numel() - 1
+    if h % KS or inter % COLS or p != t * top_k or xs.shape != (t,) or rrow.numel() != e * 2 * inter:
+        raise ShapeError(f"moe_prefill_ws.fc1: xq {tuple(xq.shape)}, xs {tuple(xs.shape)}, act {tuple(act.shape)}, "
+                         f"rrow {tuple(rrow.shape)}, top_k {top_k}: H % {KS}, I % {COLS} must be 0, act [T * top_k, "
+                         "I], rrow [E, 2I]")
+    tiles = min(-(-p // BT) + e, p)
+    runner(fc1_spec(), (tiles, inter // COLS), [xq, xs, order, offs, rcode, rscale, rrow, act, h, inter, e, top_k,
+                                                 wexp])
+    return act

@@ -1,0 +1,114 @@
+"""The warp-specialized FC1 prototype (``moe_prefill_ws``): its build (offline, sm_90a: SS wgmma m64n256k32 E4M3,
+mbarriers, no spills), its argument checks, and on a GPU its act against a float64 model of its own rounding
+(E4M3 weights x scale x 2^-wexp, E4M3 token rows, bf16 gate / up / SiLU / product) from NaN-poisoned outputs."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from test_moe_prefill import _problem, _to
+from test_moe_prefill_cuda import _div448, _inv448
+
+from m3c.backends.cuda_aot import SOURCE_DIR, compile_cuda, disassemble, find_nvcc
+from m3c.backends.kernels import moe_cuda
+from m3c.backends.kernels import moe_prefill as mp
+from m3c.backends.kernels import moe_prefill_cuda as pc
+from m3c.backends.kernels import moe_prefill_ws as ws
+from m3c.backends.triton_aot import jit_run
+from m3c.errors import ConfigError, ShapeError
+from m3c.model_defs import quant
+
+BUILDS = [(3, 3, True, True), (3, 2, False, False), (2, 3, True, False)]
+
+
+@pytest.mark.parametrize("stages, raw, ct, df", BUILDS)
+def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(stages: int, raw: int, ct: bool, df: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in (("STAGES", stages), ("RAW", raw), ("CONSUMER_TOKENS", ct), ("DECODE_FIRST", df)):
+        monkeypatch.setattr(ws, k, v)
+    spec = ws.fc1_spec()
+    assert spec.num_warps == 12 and spec.shared_bytes == ws.smem_bytes(stages, raw) <= 227 * 1024 - 2048
+    sass = disassemble(compile_cuda(spec, "sm_90a").binary)
+    assert sass.count("QGMMA.64x256x32.F32.E4M3.E4M3") == 4  # one stage: 4 k32 steps, A and B from descriptors
+    assert "SYNCS.PHASECHK" in sass and "SYNCS.ARRIVE" in sass  # mbarrier waits and arrivals
+    assert "LDGSTS" in sass and "F2FP.SATFINITE.E4M3" in sass
+    with tempfile.TemporaryDirectory() as tmp:
+        res = subprocess.run([find_nvcc(), "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v",
+                              *[f"-D{k}={v}" for k, v in spec.defines], "-o", str(Path(tmp) / "k.cubin"),
+                              str(SOURCE_DIR / ws.SOURCE)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "serializ" not in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-2000:]
+
+
+def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ws, "STAGES", 5)
+    with pytest.raises(ConfigError, match="STAGES 5"):
+        ws.fc1_spec()
+    monkeypatch.setattr(ws, "STAGES", 3)
+    u8, f32 = torch.uint8, torch.float32
+    xq, xs = torch.zeros(4, 256, dtype=u8), torch.zeros(4, dtype=f32)
+    offs, order = torch.zeros(3, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    rrow = torch.zeros(2, 512)
+    with pytest.raises(ShapeError, match="act"):  # act rows != T * top_k
+        ws.fc1(xq, xs, order, offs, xq, xq, rrow, torch.zeros(7, 256, dtype=torch.bfloat16), top_k=2, wexp=0)
+    with pytest.raises(ShapeError, match="I % 128"):
+        ws.fc1(xq, xs, order, offs, xq, xq, torch.zeros(2, 192), torch.zeros(8, 96, dtype=torch.bfloat16),
+               top_k=2, wexp=0)
+
+
+def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: quant.NVFP4Tensor) -> torch.Tensor:
+    """act of each sorted pair in float64, rounded as the kernel rounds (module docstring)."""
+    e = pc.fp8_exponent(w13)
+    qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(w13.data, w13.scale, None))
+    w = (qs * 2.0**-e).to(torch.float8_e4m3fn).double() * 2.0**e
+    w = w * w13.global_scale.double() if w13.global_scale is not None else w
+    xf = x.bfloat16().float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    xq = (xf * _inv448(amax)).to(torch.float8_e4m3fn).double() * _div448(amax).double()
+    k, inter = ids.shape[1], w.shape[1] // 2
+    order = order.long()
+    tok, ex = order // k, ids.reshape(-1)[order]
+    out = torch.zeros(order.numel(), inter, dtype=torch.float64, device=x.device)
+
+    def bf16(v: torch.Tensor) -> torch.Tensor:
+        return v.to(torch.bfloat16).double()
+    for i in range(w.shape[0]):
+        rows = (ex == i).nonzero(as_tuple=True)[0]
+        gu = xq[tok[rows]] @ w[i].t()
+        g, u = bf16(gu[:, :inter]), bf16(gu[:, inter:])
+        out[rows] = bf16(bf16(g * torch.sigmoid(g)) * u)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages, raw, ct, df", BUILDS)
+@pytest.mark.parametrize("t, h, inter, e, k, skew, empty", [(300, 512, 256, 8, 2, True, 3),
+                                                             (1000, 6144, 1536, 64, 8, False, 2)])
+def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, k: int, skew: bool, empty: int,
+                                            stages: int, raw: int, ct: bool, df: bool, rng: torch.Generator,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partial tiles (a skewed expert, empty experts), every sorted pair's row written (NaN-poisoned act), within
+    the E4M3 accumulator's loss of the float64 model; deterministic."""
+    for name, v in (("STAGES", stages), ("RAW", raw), ("CONSUMER_TOKENS", ct), ("DECODE_FIRST", df)):
+        monkeypatch.setattr(ws, name, v)
+    x, ids, _, w13, _, _, _ = _problem(t, h, inter, e, k, 0, "nvfp4", None, rng, skew=skew, empty=empty)
+    x, ids, w13 = _to(x, "cuda"), _to(ids, "cuda"), _to(w13, "cuda")
+    order, offs = mp.checked_permutation(None, ids.long(), e)
+    c13, s13 = moe_cuda.packed_pair(w13)
+    g13 = mp.nvfp4_row_scales(w13, (e, 2 * inter), "w13")
+    xq = torch.empty(t, h, dtype=torch.uint8, device="cuda")
+    xs = torch.empty(t, device="cuda")
+    jit_run(pc.specs("fp8")[2], (t,), [x.bfloat16(), xq, xs, h, 0])
+    act = torch.full((t * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=pc.fp8_exponent(w13))
+    assert torch.isfinite(act).all()
+    model = _act_model(x, ids, order, w13)
+    rel = float((act.double() - model).norm() / model.norm())
+    assert rel < 3e-2, rel
+    again = torch.empty_like(act)
+    ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13))
+    assert torch.equal(again, act), "not deterministic"
