@@ -8,9 +8,9 @@ tokens (wgmma's A), and two consumer warpgroups only issue ``wgmma.m64n256k32`` 
 full / empty mbarriers a stage. Decode work a FLOP is the same (one decode a 128-token tile), but it runs beside
 the MMAs instead of between them.
 
-H200, m3.1-small (RESULTS.md, session 19): T = 4096 2.38 ms vs 2.46 for the register-A fp8 FC1's routed tiles in
-the same run (T = 16384: 9.06 vs 9.09): at parity, not yet the ~2x hoped for. The producer is the limit: with the
-consumers' MMAs removed it alone takes 2.3-2.6 ms, while the consumers with the decode removed take 1.8 ms (680 TFLOP/s).
+H200, m3.1-small (RESULTS.md, session 19): T = 4096 2.27 ms vs 2.45 for the register-A fp8 FC1's routed tiles in
+the same run (T = 16384: 9.02 vs 9.25): 1.03-1.08x, not the ~2x hoped for. The producer is the limit: with the
+consumers' MMAs removed it alone takes ~2.3 ms, while the consumers with the decode removed take 1.76 ms (700 TFLOP/s).
 One producer warpgroup is all the registers allow (512 threads cap them at 128; the m64n256 consumers need >= 154).
 Not wired into ``megamoe``: next, a cheaper producer (TMA for the tokens, fewer decode instructions) and FC2.
 
@@ -37,8 +37,6 @@ RAW = 3  # raw code / scale buffers (20 KiB each)
 BT = 128  # sorted token rows a CTA
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
-CONSUMER_TOKENS = False  # the consumer warps copy the tokens (else the producer does; 3% faster, session 19)
-DECODE_FIRST = False  # the producer decodes a stage into registers before waiting for its buffer (8% slower)
 SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing
 
 
@@ -52,15 +50,14 @@ def fc1_spec() -> CudaKernelSpec:
     """The FC1 kernel's spec at the current :data:`STAGES` / :data:`RAW`."""
     if not 2 <= STAGES <= 4 or not 2 <= RAW <= 4 or smem_bytes(STAGES, RAW) > 227 * 1024 - 2048:
         raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
-    return _spec(STAGES, RAW, SKIP, CONSUMER_TOKENS, DECODE_FIRST)
+    return _spec(STAGES, RAW, SKIP)
 
 
 @functools.cache
-def _spec(stages: int, raw: int, skip: int, consumer_tokens: bool, decode_first: bool) -> CudaKernelSpec:
+def _spec(stages: int, raw: int, skip: int) -> CudaKernelSpec:
     args = "*xq *xs *order *offs *rcode *rscale *rrow *act H I E topk wexp"
     types = tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())
-    d = (("STAGES", stages), ("RAW", raw), ("CONSUMER_TOKENS", int(consumer_tokens)),
-         ("DECODE_FIRST", int(decode_first)), *((("SKIP", skip),) if skip else ()))
+    d = (("STAGES", stages), ("RAW", raw), *((("SKIP", skip),) if skip else ()))
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw))
 
 

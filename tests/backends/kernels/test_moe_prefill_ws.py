@@ -22,13 +22,12 @@ from m3c.backends.triton_aot import jit_run
 from m3c.errors import ConfigError, ShapeError
 from m3c.model_defs import quant
 
-BUILDS = [(3, 3, True, True), (3, 2, False, False), (2, 3, True, False)]
+BUILDS = [(3, 3), (3, 2), (2, 3)]  # (A / B stages, raw stages)
 
 
-@pytest.mark.parametrize("stages, raw, ct, df", BUILDS)
-def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(stages: int, raw: int, ct: bool, df: bool,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in (("STAGES", stages), ("RAW", raw), ("CONSUMER_TOKENS", ct), ("DECODE_FIRST", df)):
+@pytest.mark.parametrize("stages, raw", BUILDS)
+def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(stages: int, raw: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in (("STAGES", stages), ("RAW", raw)):
         monkeypatch.setattr(ws, k, v)
     spec = ws.fc1_spec()
     assert spec.num_warps == 12 and spec.shared_bytes == ws.smem_bytes(stages, raw) <= 227 * 1024 - 2048
@@ -85,15 +84,15 @@ def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: qua
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages, raw, ct, df", BUILDS)
+@pytest.mark.parametrize("stages, raw", BUILDS)
 @pytest.mark.parametrize("t, h, inter, e, k, skew, empty", [(300, 512, 256, 8, 2, True, 3),
                                                              (1000, 6144, 1536, 64, 8, False, 2)])
 def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, k: int, skew: bool, empty: int,
-                                            stages: int, raw: int, ct: bool, df: bool, rng: torch.Generator,
+                                            stages: int, raw: int, rng: torch.Generator,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Partial tiles (a skewed expert, empty experts), every sorted pair's row written (NaN-poisoned act), within
     the E4M3 accumulator's loss of the float64 model; deterministic."""
-    for name, v in (("STAGES", stages), ("RAW", raw), ("CONSUMER_TOKENS", ct), ("DECODE_FIRST", df)):
+    for name, v in (("STAGES", stages), ("RAW", raw)):
         monkeypatch.setattr(ws, name, v)
     x, ids, _, w13, _, _, _ = _problem(t, h, inter, e, k, 0, "nvfp4", None, rng, skew=skew, empty=empty)
     x, ids, w13 = _to(x, "cuda"), _to(ids, "cuda"), _to(w13, "cuda")

@@ -5,9 +5,10 @@
 // A CTA = 128 sorted token rows of one expert (two consumer warpgroups of 64, wgmma m64n256k32 E4M3 x E4M3, 128
 // float32 accumulators a thread) x 256 weight rows (the 128 gate and 128 up rows of 128 intermediate columns) plus
 // one producer warpgroup. Per stage of 128 K the producer copies the tokens into the stage's A buffer
-// (cp.async, completion tracked by the stage's `full` mbarrier), and decodes the weights' NVFP4 codes (staged by
-// cp.async in a RAW-deep ring) x their E4M3 scales x 2^-wexp into E4M3 (moe_prefill_wgmma.cu's product tables) in
-// the B buffer; consumers wait on `full`, issue 4 MMAs, and release the stage on `empty` when they are done.
+// (cp.async, completion tracked by the stage's `full` mbarrier), and decodes the weights' NVFP4 codes (each warp
+// copies the codes and scales of its own 4 tiles through a RAW-deep cp.async ring) x their E4M3 scales x 2^-wexp
+// into E4M3 (the product tables of wgmma_common.cuh) in registers, then stores them to the B buffer; consumers
+// wait on `full`, issue 4 MMAs, and release the stage on `empty` when they are done.
 // B's N order interleaves gate and up: MMA column 16 m + r holds gate column 8 m + r, 16 m + 8 + r its up column
 // (r < 8), so a consumer lane holds the gate and up values of each of its columns (SiLU·up in registers).
 #ifndef STAGES
@@ -18,12 +19,6 @@
 #endif
 #ifndef SKIP
 #define SKIP 0    // timing probes only (wrong results): 1 = consumers issue no MMAs, 2 = the producer decodes nothing
-#endif
-#ifndef CONSUMER_TOKENS
-#define CONSUMER_TOKENS 0  // the consumer warps copy the tokens (1) or the producer does (0)
-#endif
-#ifndef DECODE_FIRST
-#define DECODE_FIRST 0  // the producer decodes a stage into registers before (1) or after (0) waiting for its buffer
 #endif
 #define BT 128
 #define NR 256
@@ -60,7 +55,6 @@ __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
                  : "=r"(done) : "r"(a), "r"(parity) : "memory");
   } while (!done);
 }
-__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(NP) : "memory"); }
 template <int N>
 __device__ __forceinline__ void wg_wait_acc(float (&d)[128]) {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
@@ -121,8 +115,7 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
   const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
   if (tid == 0) {
     for (int i = 0; i < STAGES; ++i) {
-      // each producer thread arrives, and each token-copying thread once its copies have landed
-      mbar_init(full0 + 8 * i, NP + (CONSUMER_TOKENS ? 256 : NP));
+      mbar_init(full0 + 8 * i, 2 * NP);  // each producer thread: one cp.async arrival and one arrival
       mbar_init(empty0 + 8 * i, 8);    // the consumers' 8 warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -132,36 +125,41 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
   const u32 abase = base, bbase = base + STAGES * A_BYTES, rbase = bbase + STAGES * B_BYTES;
   const int nst = H / KS;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, j = lane & 3;
-  // Thread ti of nthr copies its share of stage s's tokens (chunk kc of token n at kc LBO_A + (n / 8) 128 +
-  // (n % 8) 16) and arrives on the stage's full barrier once they have landed.
-  auto load_tokens = [&](int s, int ti, int nthr) {
-    const u32 ab = abase + (s % STAGES) * A_BYTES;
-    for (int q = 0; q < 1024 / nthr; ++q) {
-      const int i = ti + nthr * q, n = (i >> 1) & 127, kc = 2 * (i >> 8) + (i & 1);
-      const long long o = xoff[n];
-      cp16(ab + kc * LBO_A + (n / 8) * 128 + (n % 8) * 16, xq + (o < 0 ? 0 : o) + s * KS + 16 * kc, o >= 0);
-    }
-    mbar_cp_arrive(full0 + 8 * (s % STAGES));
-  };
 
   if (warp >= 8) {  // ---- producer warpgroup(s)
     const int pt = tid - 256, pw = warp - 8;
     const long e0 = (long)expert * (2 * I / 16), g0 = e0 + rb * 8, u0 = e0 + I / 16 + rb * 8;
     const long tstride = (long)nst * 1024;
     auto tile_of = [&](int t) { return t < 8 ? g0 + t : u0 + (t - 8); };
+    // This thread's copies, the same each stage but for the K offset. Raw codes / scales: each warp copies those of
+    // the 4 tiles it decodes (lane: code chunks lane, lane + 32 of each; the scale chunks of tiles 4 pw + lane / 16
+    // + {0, 2}), so a warp-level sync suffices. Tokens: rows n0 = pt / 2 and n0 + 64, chunks 2 v + pt % 2 (v < 4;
+    // chunk kc of token n at kc LBO_A + (n / 8) 128 + (n % 8) 16).
+    const u8* cbase[4];
+#pragma unroll
+    for (int v = 0; v < 4; ++v)
+      cbase[v] = rcode + tile_of(4 * pw + v) * tstride + lane * 16;
+    const u8* sbase[2];
+#pragma unroll
+    for (int v = 0; v < 2; ++v)
+      sbase[v] = rscale + tile_of(4 * pw + lane / 16 + 2 * v) * (long)H + (pt % 16) * 16;
+    const u32 cd0 = 4 * pw * 1024 + lane * 16, sd0 = RC_BYTES + (4 * pw + lane / 16) * 256 + (pt % 16) * 16;
+    const int n0 = pt / 2;
+    const long long o0 = xoff[n0], o1 = xoff[n0 + 64];
+    const u8* xrow0 = xq + (o0 < 0 ? 0 : o0) + 16 * (pt % 2);
+    const u8* xrow1 = xq + (o1 < 0 ? 0 : o1) + 16 * (pt % 2);
+    const u32 xd0 = (pt % 2) * LBO_A + (n0 / 8) * 128 + (n0 % 8) * 16;
     auto issue_raw = [&](int s) {
       if (s < nst) {
         const u32 rb_ = rbase + (s % RAW) * RAW_BYTES;
 #pragma unroll
-        for (int q = 0; q < 1024 / NP; ++q) {
-          const int i = pt + NP * q, t = i >> 6, c = i & 63;
-          cp16(rb_ + t * 1024 + c * 16, rcode + tile_of(t) * tstride + (long)s * 1024 + c * 16, true);
-        }
+        for (int v = 0; v < 4; ++v)
 #pragma unroll
-        for (int q = 0; q < 256 / NP; ++q) {
-          const int i = pt + NP * q, t = i >> 4, c = i & 15;
-          cp16(rb_ + RC_BYTES + t * 256 + c * 16, rscale + tile_of(t) * (long)H + (long)(s >> 1) * 256 + c * 16, true);
-        }
+          for (int h = 0; h < 2; ++h)  // tile 4 pw + v, chunk lane + 32 h
+            cp16(rb_ + cd0 + v * 1024 + h * 512, cbase[v] + h * 512 + (long)s * 1024, true);
+#pragma unroll
+        for (int v = 0; v < 2; ++v)
+          cp16(rb_ + sd0 + v * 512, sbase[v] + (long)(s >> 1) * 256, true);
       }
       cp_commit();
     };
@@ -170,13 +168,15 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     for (int s = 0; s < nst; ++s) {
       const int slot = s % STAGES;
       cp_wait<RAW - 2>();
-      producer_sync();  // raw stage s landed for every producer thread; all are done decoding stage s - 1
-#if !DECODE_FIRST
+      __syncwarp();  // raw stage s landed for the warp's lanes (each warp reads only what it copied)
       mbar_wait(empty0 + 8 * slot, ((s / STAGES) & 1) ^ 1);
-#endif
-#if !CONSUMER_TOKENS
-      load_tokens(s, pt, NP);
-#endif
+      const u32 ab = abase + slot * A_BYTES;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {  // chunk 2 v + pt % 2 of rows n0, n0 + 64 (8 rows of core matrices on)
+        cp16(ab + xd0 + 2 * v * LBO_A, xrow0 + s * KS + 32 * v, o0 >= 0);
+        cp16(ab + xd0 + 2 * v * LBO_A + 8 * 128, xrow1 + s * KS + 32 * v, o1 >= 0);
+      }
+      mbar_cp_arrive(full0 + 8 * slot);
       issue_raw(s + RAW - 1);
       const u8* raw = smem + (rbase - base) + (s % RAW) * RAW_BYTES;
       u8* bsm = smem + (bbase - base) + slot * B_BYTES;
@@ -202,9 +202,6 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
           nvfp4_e4m3(w.w, tg[c], tg8[c], r.w, r8.w);
         }
       }
-#if DECODE_FIRST
-      mbar_wait(empty0 + 8 * slot, ((s / STAGES) & 1) ^ 1);  // (the decode above overlapped the consumers' MMAs)
-#endif
 #pragma unroll
       for (int tl = 0; tl < TW; ++tl) {
         const int t = TW * pw + tl, up = t >= 8, tt = t & 7;
@@ -229,9 +226,6 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-#if CONSUMER_TOKENS
-  for (int s = 0; s < min(STAGES, nst); ++s) load_tokens(s, tid, 256);  // every slot is free at first
-#endif
   for (int s = 0; s < nst; ++s) {
     const int slot = s % STAGES;
     mbar_wait(full0 + 8 * slot, (s / STAGES) & 1);
@@ -244,12 +238,6 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     wg_commit();
     wg_wait_acc<1>(acc);  // stage s - 1's MMAs are done: release its buffers
     if (s > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((s - 1) % STAGES));
-#if CONSUMER_TOKENS
-    if (s > 0 && s + STAGES - 1 < nst) {  // stage s + STAGES - 1 into stage s - 1's slot, once both warpgroups left it
-      mbar_wait(empty0 + 8 * ((s - 1) % STAGES), ((s - 1) / STAGES) & 1);
-      load_tokens(s + STAGES - 1, tid, 256);
-    }
-#endif
   }
   wg_wait_acc<0>(acc);
 
