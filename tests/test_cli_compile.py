@@ -111,6 +111,20 @@ def test_compile_from_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[
                                                                       "weights": "random, seed 3"}
 
 
+def test_compile_records_the_moe_prefill_precision(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--moe-prefill-precision lands in the artifact's options (and so in its compile-cache key)."""
+    ONE_LAYER.save(tmp_path)
+    argv = ["compile", "--config", str(tmp_path / "config.json"), "--no-cache", "-o"]
+    assert main([*argv, str(tmp_path / "f"), "--moe-prefill-precision", "fp8"]) == 0
+    assert main([*argv, str(tmp_path / "b")]) == 0
+    fp8, default = load_artifact(tmp_path / "f").program.options, load_artifact(tmp_path / "b").program.options
+    assert fp8.moe_prefill_precision == "fp8" and default.moe_prefill_precision is None
+    assert fp8.key() != default.key()
+    capsys.readouterr()
+    assert main([*argv, str(tmp_path / "x"), "--moe-prefill-precision", "fp4"]) == 2  # not one of the choices
+    assert "invalid choice: 'fp4'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
 # ---- error exits -----------------------------------------------------------------------------
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], *words: str) -> str:
     assert main(argv) == 2

@@ -148,3 +148,5 @@ def test_bad_requests_are_refused_early() -> None:
         m3c.compile(_Toy())
     with pytest.raises(CompileError, match="known options"):
         m3c.compile(_Toy(), (torch.randn(1, 16),), flavour="spicy")
+    with pytest.raises(CompileError, match="moe_prefill_precision='fp4': expected one of bf16, fp8"):
+        CompileOptions(moe_prefill_precision="fp4")

@@ -65,7 +65,7 @@ def lower_hopper(graph: Graph, options: CompileOptions, weights: Mapping[str, An
         except UnknownOpError as e:
             raise CompileError(f"cannot lower node {node!r} for hopper: {e}") from None
         if node.op in FAMILIES:
-            why, family_specs = FAMILIES[node.op](node)
+            why, family_specs, launch_args = FAMILIES[node.op](node, options)
             if why:
                 reference_ops[node.op] = reference_ops.get(node.op, 0) + 1
                 plan.append({"op": node.op, "output": node.outputs[0].name, "kernel": None, "why": why})
@@ -73,7 +73,8 @@ def lower_hopper(graph: Graph, options: CompileOptions, weights: Mapping[str, An
             for spec in family_specs:
                 specs.setdefault(spec.key(), (spec, ()))
             plan.append({"op": node.op, "output": node.outputs[0].name,
-                         "specs": sorted({s.key() for s in family_specs})})
+                         "specs": sorted({s.key() for s in family_specs}),
+                         **({"launch_args": launch_args} if launch_args else {})})
             continue
         if node.op != "qkv_norm_rope_kvinsert":
             reference_ops[node.op] = reference_ops.get(node.op, 0) + 1

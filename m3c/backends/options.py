@@ -17,6 +17,9 @@ from typing import Any
 from m3c.errors import CompileError
 from m3c.model_defs.config import KV_CACHE_DTYPES, M3Config
 
+MOE_PREFILL_PRECISIONS = ("bf16", "fp8")
+"""MMA inputs of the MegaMoE grouped GEMMs' routed tiles on Hopper (the wgmma prefill kernels)."""
+
 
 @dataclass(frozen=True)
 class CompileOptions:
@@ -34,6 +37,9 @@ class CompileOptions:
     """Run the IR verifier after every pass."""
     disable_passes: tuple[str, ...] = ()
     """Names of pipeline passes to leave out (sorted, so equal sets key alike)."""
+    moe_prefill_precision: str | None = None
+    """MMA inputs of the MegaMoE prefill's routed experts on Hopper: "bf16" (exact weights, ~0.5% error) or "fp8"
+    (E4M3 weights, tokens and act: faster, ~5% error; benchmarks/RESULTS.md session 17); None: bf16."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "disable_passes", tuple(sorted(set(self.disable_passes))))
@@ -41,6 +47,9 @@ class CompileOptions:
             value = getattr(self, name)
             if value is not None and value not in KV_CACHE_DTYPES:
                 raise CompileError(f"{name}={value!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.moe_prefill_precision is not None and self.moe_prefill_precision not in MOE_PREFILL_PRECISIONS:
+            raise CompileError(f"moe_prefill_precision={self.moe_prefill_precision!r}: expected one of "
+                               f"{', '.join(MOE_PREFILL_PRECISIONS)}")
         if self.block_size is not None and self.block_size < 1:
             raise CompileError(f"block_size={self.block_size}: expected a positive number of tokens")
 

@@ -67,7 +67,7 @@ class FamilyLauncher:
             from m3c.ir.registry import get_op
 
             return get_op(node.op).reference(*args, **attrs)
-        return self.launch(args, attrs, self.runner)
+        return self.launch(args, attrs | self.entries[node.outputs[0].name].get("launch_args", {}), self.runner)
 
 
 def launch_msa(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> torch.Tensor:
@@ -80,13 +80,14 @@ def launch_msa(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> t
 
 
 def launch_moe(args: list[Any], attrs: dict[str, Any], runner: CubinRunner) -> torch.Tensor:
-    """megamoe: routing, then the routed experts with the shared expert fused in."""
+    """megamoe: routing, then the routed experts with the shared expert fused in (``prefill_precision`` from the
+    launch plan: the compile option ``moe_prefill_precision``)."""
     from m3c.backends.kernels.megamoe import megamoe
 
     x, gate_w, bias, w13, w2, sw13, sw2 = (*args, None, None)[:7]
     return megamoe(x, gate_w, bias, w13, w2, sw13, sw2, top_k=attrs["top_k"],
                    routed_scaling_factor=attrs["routed_scaling_factor"], norm_topk_prob=attrs["norm_topk_prob"],
-                   runner=runner)
+                   runner=runner, prefill_precision=attrs.get("prefill_precision"))
 
 
 def cuda_impls(program: Program, device: torch.device) -> dict[str, OpImpl]:

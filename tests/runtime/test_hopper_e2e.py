@@ -84,6 +84,7 @@ def test_hopper_lowering_compiles_the_cuda_moe_kernels_offline() -> None:
     assert moe
     cuda = [k for k in moe[0]["specs"] if k.startswith("megamoe_mma")]
     assert len(cuda) == 10
+    assert all("launch_args" not in e for e in moe)  # the default prefill precision: nothing passed on
     msa = [e for e in program.launch_plan if e.get("op") == "msa_attention"]
     assert msa and any(k.startswith("msa_indexer_mma") for k in msa[0]["specs"])
     cuda += [k for k in msa[0]["specs"] if k.startswith("msa_indexer_mma")]
@@ -92,6 +93,48 @@ def test_hopper_lowering_compiles_the_cuda_moe_kernels_offline() -> None:
         assert program.kernels[f"{key}.cubin"][:4] == b"\x7fELF"
         assert b".target sm_90a" in program.kernels[f"{key}.ptx"]
         assert kernels[key].name.startswith(("moe_", "msa_index")) and kernels[key].arg_types[-1] in ("*u8", "i32")
+
+
+def test_moe_prefill_precision_option_reaches_the_artifact_and_the_launcher(tmp_path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe_prefill_precision="fp8" on a bf16 model: the lowering compiles the wgmma prefill's E4M3 build (and its
+    row quantizer) for the megamoe nodes, their launch plan entries pass prefill_precision on, and both survive the
+    artifact; where the wgmma prefill cannot run (off, a float32 model, a layout it does not take) the compile says so
+    and passes nothing on."""
+    from types import SimpleNamespace
+
+    from m3c.backends.options import CompileOptions
+    from m3c.compiler import Progress, _compile_job, _m3_job
+    from m3c.model_defs.checkpoint import build_model
+    from m3c.runtime.cuda_ops import FamilyLauncher
+
+    cfg = _cuda_moe_cfg()
+    opts = CompileOptions(target="hopper", moe_prefill_precision="fp8")
+    job = _m3_job(build_model(cfg, dtype=torch.bfloat16), cfg, "", {"model": cfg.name})  # (m3c.compile would run it)
+    program, _, _ = _compile_job(job, opts, cache=None, dump_ir_after=None, dump_dir=None, explain=False,
+                                 timing=False, progress=Progress(False), seconds={})
+    moe = [e for e in program.launch_plan if e.get("op") == "megamoe"]
+    assert moe and all(e["launch_args"] == {"prefill_precision": "fp8"} for e in moe)
+    meta = next(e["kernel_meta"] for e in program.launch_plan if "kernel_meta" in e)
+    names = {meta[k]["name"] for k in moe[0]["specs"] if k.startswith("megamoe_prefill_wgmma")}
+    assert names == {"moe_pf_fc1", "moe_pf_fc2", "moe_pf_quant"}  # the fp8 build: the quantizer is in it
+    path = save_artifact(program, cfg, tmp_path / "fp8_prefill.m3c")
+    loaded = load_artifact(path, check_device=False)
+    assert loaded.program.options.moe_prefill_precision == "fp8"
+    entry = next(e for e in loaded.program.launch_plan if e.get("op") == "megamoe")
+    assert entry["launch_args"] == {"prefill_precision": "fp8"}
+    seen: list[dict] = []
+    launcher = FamilyLauncher(loaded.program, "megamoe", lambda args, attrs, runner: seen.append(attrs), None)
+    launcher(SimpleNamespace(outputs=[SimpleNamespace(name=entry["output"])]), [], {"top_k": 2})
+    assert seen == [{"top_k": 2, "prefill_precision": "fp8"}]
+    from m3c.backends.hopper_families import moe_plan
+    from m3c.backends.kernels import megamoe
+
+    node = next(n for n in program.graph.nodes if n.op == "megamoe")
+    monkeypatch.setattr(megamoe, "PREFILL_WGMMA", False)  # a node the wgmma prefill cannot take: said, not passed on
+    with pytest.warns(UserWarning, match="runs bf16: the wgmma prefill is off"):
+        why, specs, launch_args = moe_plan(node, opts)
+    assert why is None and specs and launch_args == {}
 
 
 @pytest.mark.gpu

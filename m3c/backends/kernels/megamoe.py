@@ -89,12 +89,14 @@ def _prefill_fmt(shared_fmt: str) -> str | None:
 
 
 def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
-                  w13_fmt: str, shared_fmt: str | None) -> list[KernelSpec | CudaKernelSpec]:
+                  w13_fmt: str, shared_fmt: str | None,
+                  prefill_precision: str | None = None) -> list[KernelSpec | CudaKernelSpec]:
     """Every kernel spec :func:`megamoe` launches for this layout by default (GPU settings): the routing
     (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 16 where the layout allows them (both
     MMA column-tile counts; each followed by its one-launch routing + staging kernel where that takes the router, the
-    router weight in float32) and the grouped-GEMM kernels (``decode_kernel=True`` launches
-    :func:`m3c.backends.kernels.moe_decode.decode_specs` too; they are not listed here)."""
+    router weight in float32) and the grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as
+    :func:`megamoe` takes it; ``decode_kernel=True`` launches :func:`m3c.backends.kernels.moe_decode.decode_specs`
+    too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
     why = megamoe_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt)
     if why is not None:
@@ -107,7 +109,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
                 mma.append(route_stage_spec(hidden, experts, act_dtype, nt))
     if PREFILL_WGMMA and moe_prefill_cuda.supported(hidden, inter, shared_inter, act_dtype, w13_fmt,
                                                     _prefill_fmt(shared_fmt)) is None:
-        mma += moe_prefill_cuda.specs()
+        mma += moe_prefill_cuda.specs(prefill_precision)
     return route_specs(experts, top_k) + mma + list(moe_prefill_specs(
         hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))
 

@@ -60,6 +60,7 @@ from m3c.backends.cuda_aot import CudaKernelSpec
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.backends.kernels.host import derived, derived_ready, persistent, persistent_ready
 from m3c.backends.kernels.moe_cuda import CaptureError, is_prepacked, packed_pair
+from m3c.backends.options import MOE_PREFILL_PRECISIONS
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, ShapeError, TargetError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -74,7 +75,7 @@ CTAS = 1  # CTAs an SM the kernels' registers are held to (launch bounds); their
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
 KST = 64
 ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = MOE_PREFILL_PRECISIONS
 PRECISION = "bf16"
 """The routed tiles' MMA inputs by default: "bf16" (the weights exact, the tokens and act as given) or "fp8" (the
 NVFP4 weights x their E4M3 scale rounded to E4M3 as Blackwell's QMUL4 rounds, the tokens and act in E4M3 with a
