@@ -138,6 +138,34 @@ def test_moe_prefill_precision_option_reaches_the_artifact_and_the_launcher(tmp_
 
 
 @pytest.mark.gpu
+def test_moe_prefill_precision_fp8_runs_the_e4m3_prefill_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 model compiled with moe_prefill_precision="fp8": its prefill (80 tokens: the wgmma grouped GEMMs)
+    calls the wgmma kernels in fp8, the default compile in bf16, and both generate."""
+    import m3c
+    from m3c.backends.kernels import moe_prefill_cuda
+    from m3c.model_defs.checkpoint import build_model
+    from m3c.runtime.bench import random_prompts, timed_generation
+
+    seen: list[str | None] = []
+    real = moe_prefill_cuda.moe_prefill_wgmma
+
+    def spy(*args, precision=None, **kw):
+        seen.append(precision)
+        return real(*args, precision=precision, **kw)
+    monkeypatch.setattr(moe_prefill_cuda, "moe_prefill_wgmma", spy)
+    cfg = _cuda_moe_cfg()
+    prompts = random_prompts(cfg, 2, 40)
+    tokens = {}
+    for prec in (None, "fp8"):
+        seen.clear()
+        compiled = m3c.compile(build_model(cfg, dtype=torch.bfloat16), target="hopper", moe_prefill_precision=prec)
+        tokens[prec] = timed_generation(compiled, cfg, prompts, 4, "cuda", warmup_steps=0)["tokens"]
+        assert seen and set(seen) == {prec}, seen
+    for got in tokens.values():
+        assert all(0 <= t < cfg.vocab_size for row in got for t in row)
+
+
+@pytest.mark.gpu
 def test_cuda_moe_artifact_matches_reference_tokens(tmp_path) -> None:
     """The widened tiny preset through the artifact (CUDA C++ MoE decode and MSA indexer kernels from the artifact's
     cubins for the decode steps): greedy tokens equal the reference model's for 32 steps."""
