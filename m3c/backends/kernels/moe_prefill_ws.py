@@ -71,10 +71,19 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
     t, h = xq.shape
     p, inter = act.shape
     e = offs.numel() - 1
-    if h % KS or inter % COLS or p != t * top_k or xs.shape != (t,) or rrow.numel() != e * 2 * inter:
-        raise ShapeError(f"moe_prefill_ws.fc1: xq {tuple(xq.shape)}, xs {tuple(xs.shape)}, act {tuple(act.shape)}, "
-                         f"rrow {tuple(rrow.shape)}, top_k {top_k}: H % {KS}, I % {COLS} must be 0, act [T * top_k, "
-                         "I], rrow [E, 2I]")
+    where = f"moe_prefill_ws.fc1: xq {tuple(xq.shape)}, act {tuple(act.shape)}"
+    if h % 256 or inter % COLS:  # (the prepacked scales come in 256-K super-chunks)
+        raise ShapeError(f"{where}: H must be a multiple of 256 and I of {COLS}")
+    if p != t * top_k or xs.shape != (t,) or rrow.numel() != e * 2 * inter or order.shape != (p,):
+        raise ShapeError(f"{where}, xs {tuple(xs.shape)}, order {tuple(order.shape)}, rrow {tuple(rrow.shape)}, "
+                         f"top_k {top_k}: act must be [T * top_k, I], xs [T], order [T * top_k], rrow E x 2I")
+    for name, v, dt in (("xq", xq, torch.uint8), ("xs", xs, torch.float32), ("order", order, torch.int32),
+                        ("offs", offs, torch.int32), ("rrow", rrow, torch.float32), ("act", act, torch.bfloat16)):
+        if v.dtype != dt or not v.is_contiguous() or v.device != act.device:
+            raise ShapeError(f"moe_prefill_ws.fc1: {name} must be a contiguous {dt} tensor on {act.device}, got "
+                             f"{v.dtype} on {v.device}")
+    if p == 0:
+        return act
     tiles = min(-(-p // BT) + e, p)
     runner(fc1_spec(), (tiles, inter // COLS), [xq, xs, order, offs, rcode, rscale, rrow, act, h, inter, e, top_k,
                                                  wexp])

@@ -48,15 +48,22 @@ def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="STAGES 5"):
         ws.fc1_spec()
     monkeypatch.setattr(ws, "STAGES", 3)
-    u8, f32 = torch.uint8, torch.float32
+    u8, f32, i32 = torch.uint8, torch.float32, torch.int32
     xq, xs = torch.zeros(4, 256, dtype=u8), torch.zeros(4, dtype=f32)
-    offs, order = torch.zeros(3, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
-    rrow = torch.zeros(2, 512)
-    with pytest.raises(ShapeError, match="act"):  # act rows != T * top_k
-        ws.fc1(xq, xs, order, offs, xq, xq, rrow, torch.zeros(7, 256, dtype=torch.bfloat16), top_k=2, wexp=0)
-    with pytest.raises(ShapeError, match="I % 128"):
-        ws.fc1(xq, xs, order, offs, xq, xq, torch.zeros(2, 192), torch.zeros(8, 96, dtype=torch.bfloat16),
-               top_k=2, wexp=0)
+    offs, order = torch.zeros(3, dtype=i32), torch.zeros(8, dtype=i32)
+    rrow, act = torch.zeros(2, 512), torch.zeros(8, 256, dtype=torch.bfloat16)
+    with pytest.raises(ShapeError, match=r"act must be \[T \* top_k, I\]"):  # act rows != T * top_k
+        ws.fc1(xq, xs, order, offs, xq, xq, rrow, act[:7], top_k=2, wexp=0)
+    with pytest.raises(ShapeError, match="I of 128"):
+        ws.fc1(xq, xs, order, offs, xq, xq, torch.zeros(2, 192), act[:, :96], top_k=2, wexp=0)
+    with pytest.raises(ShapeError, match="H must be a multiple of 256"):  # a 128-K tail has no whole scale chunk
+        ws.fc1(torch.zeros(4, 384, dtype=u8), xs, order, offs, xq, xq, rrow, act, top_k=2, wexp=0)
+    with pytest.raises(ShapeError, match=r"order must be a contiguous torch\.int32"):
+        ws.fc1(xq, xs, order.long(), offs, xq, xq, rrow, act, top_k=2, wexp=0)
+    calls: list = []
+    none = torch.zeros(0, 256, dtype=torch.bfloat16)  # no tokens: nothing launched
+    assert ws.fc1(xq[:0], xs[:0], order[:0], offs, xq, xq, rrow, none, top_k=2, wexp=0,
+                  runner=lambda *a: calls.append(a)) is none and not calls
 
 
 def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: quant.NVFP4Tensor) -> torch.Tensor:

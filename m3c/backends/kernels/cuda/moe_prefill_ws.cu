@@ -32,7 +32,8 @@
 #define B_BYTES (8 * LBO_B)
 #define RC_BYTES (16 * 1024)       // codes of a stage: 16 tiles x 1 KiB
 #define RAW_BYTES (RC_BYTES + 16 * 256)  // + each tile's 256-K super-chunk of scales (256 B)
-#define NP 128  // producer threads (a second producer warpgroup leaves the m64n256 consumers < 154 registers)
+#define NP 128  // producer threads (fixed: the copies assume 4 tiles a warp; a second producer warpgroup would
+                // leave the m64n256 consumers < 154 registers)
 #define THREADS (256 + NP)
 
 #include "ptx_common.cuh"
