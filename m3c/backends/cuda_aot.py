@@ -60,6 +60,12 @@ class CudaKernelSpec:
         return cached
 
 
+def arg_types(args: str) -> tuple[tuple[str, str], ...]:
+    """A kernel's runtime arguments from their names in order, ``*name`` a pointer: "*x T" -> (("x", "*u8"),
+    ("T", "i32"))."""
+    return tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())
+
+
 @functools.cache
 def source_text(source: str) -> str:
     """A kernel source with every ``#include "name"`` of a header under ``kernels/cuda`` replaced by that header's

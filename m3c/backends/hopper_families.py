@@ -60,7 +60,7 @@ def msa_plan(node: Node, options: CompileOptions) -> tuple[str | None, list[Kern
 def moe_plan(node: Node, options: CompileOptions) -> tuple[str | None, list[KernelSpec], dict[str, Any]]:
     """The routed-expert (+ shared expert) kernels of one ``megamoe`` node, the prefill's routed tiles in
     ``options.moe_prefill_precision`` (passed on to :func:`m3c.backends.kernels.megamoe.megamoe`)."""
-    from m3c.backends.kernels.megamoe import megamoe_specs, megamoe_supported
+    from m3c.backends.kernels.megamoe import megamoe_specs, megamoe_supported, prefill_wgmma_unsupported
 
     x, _, _, w13, w2, sw13, _ = (*node.inputs, None, None)[:7]
     assert x is not None and w13 is not None and w2 is not None
@@ -86,16 +86,12 @@ def moe_plan(node: Node, options: CompileOptions) -> tuple[str | None, list[Kern
     if why:
         return why, [], {}
     precision = options.moe_prefill_precision
-    if precision == "fp8":
-        from m3c.backends.kernels import moe_prefill_cuda
-        from m3c.backends.kernels.megamoe import PREFILL_WGMMA
-
-        why_not = "the wgmma prefill is off (megamoe.PREFILL_WGMMA)" if not PREFILL_WGMMA else \
-            moe_prefill_cuda.supported(hidden, two_inter // 2, shared_inter, act, fmt, sfmt)
-        if why_not:
-            warnings.warn(f"moe_prefill_precision='fp8' asked for, but {node.outputs[0].name}'s MegaMoE prefill runs "
-                          f"bf16: {why_not}", UserWarning, stacklevel=2)
-            precision = None
+    why_not = prefill_wgmma_unsupported(hidden, two_inter // 2, shared_inter, act, fmt, sfmt) \
+        if precision == "fp8" else None
+    if why_not:
+        warnings.warn(f"moe_prefill_precision='fp8' asked for, but {node.outputs[0].name}'s MegaMoE prefill runs "
+                      f"bf16: {why_not}", UserWarning, stacklevel=2)
+        precision = None
     return None, megamoe_specs(*args, prefill_precision=precision), \
         ({"prefill_precision": precision} if precision else {})
 

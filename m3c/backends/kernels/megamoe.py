@@ -88,6 +88,15 @@ def _prefill_fmt(shared_fmt: str) -> str | None:
     return None if shared_fmt == "none" else shared_fmt
 
 
+def prefill_wgmma_unsupported(hidden: int, inter: int, shared_inter: int, act_dtype: str, w13_fmt: str,
+                              shared_fmt: str | None) -> str | None:
+    """None if the grouped GEMMs of this layout run on the wgmma kernels on sm_90 (:data:`PREFILL_WGMMA` on, a layout
+    :func:`m3c.backends.kernels.moe_prefill_cuda.supported` takes), else the reason."""
+    if not PREFILL_WGMMA:
+        return "the wgmma prefill is off (megamoe.PREFILL_WGMMA)"
+    return moe_prefill_cuda.supported(hidden, inter, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt or "none"))
+
+
 def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
                   w13_fmt: str, shared_fmt: str | None,
                   prefill_precision: str | None = None) -> list[KernelSpec | CudaKernelSpec]:
@@ -107,8 +116,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
             mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt)
             if route_supported(hidden, experts, top_k, act_dtype, tokens) is None:
                 mma.append(route_stage_spec(hidden, experts, act_dtype, nt))
-    if PREFILL_WGMMA and moe_prefill_cuda.supported(hidden, inter, shared_inter, act_dtype, w13_fmt,
-                                                    _prefill_fmt(shared_fmt)) is None:
+    if prefill_wgmma_unsupported(hidden, inter, shared_inter, act_dtype, w13_fmt, shared_fmt) is None:
         mma += moe_prefill_cuda.specs(prefill_precision)
     return route_specs(experts, top_k) + mma + list(moe_prefill_specs(
         hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import triton
 
-from m3c.backends.cuda_aot import CudaKernelSpec
+from m3c.backends.cuda_aot import CudaKernelSpec, arg_types
 from m3c.backends.kernels.host import derived, derived_ready, persistent
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, M3CError, ShapeError
@@ -169,11 +169,9 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                ) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()))
-    p, i = "*u8", "i32"
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
-        types = tuple((a[1:], p) if a.startswith("*") else (a, i) for a in args.split())
-        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, types, d, nwarps, smem, kernel in pdl)
+        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)
 
     return (spec("moe_stage_x", "*x H *x16 *xmult", 8),
             spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 import triton
 
-from m3c.backends.cuda_aot import CudaKernelSpec
+from m3c.backends.cuda_aot import CudaKernelSpec, arg_types
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.backends.kernels.host import derived, derived_ready, persistent, persistent_ready
 from m3c.backends.kernels.moe_cuda import CaptureError, is_prepacked, packed_pair
@@ -143,8 +143,7 @@ def _specs(bt: int, wgs: int, stages: int, fp8: bool, inflight: int, promote: bo
     smem = _smem(bt, wgs, stages, xpad)
 
     def spec(kernel: str, args: str, warps: int = 4 * wgs, shared: int = smem) -> CudaKernelSpec:
-        types = tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())
-        return CudaKernelSpec("megamoe_prefill_wgmma", SOURCE, kernel, types, d, warps, shared)
+        return CudaKernelSpec("megamoe_prefill_wgmma", SOURCE, kernel, arg_types(args), d, warps, shared)
 
     mm = (spec("moe_pf_fc1", "*x *xq *xs *order *offs *rcode *rscale *rrow *scode *sscale *act *sact T n_sh H I S E "
                "topk wexp"),

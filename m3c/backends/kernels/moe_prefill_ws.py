@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from m3c.backends.cuda_aot import CudaKernelSpec
+from m3c.backends.cuda_aot import CudaKernelSpec, arg_types
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, ShapeError
 
@@ -55,8 +55,7 @@ def fc1_spec() -> CudaKernelSpec:
 
 @functools.cache
 def _spec(stages: int, raw: int, skip: int) -> CudaKernelSpec:
-    args = "*xq *xs *order *offs *rcode *rscale *rrow *act H I E topk wexp"
-    types = tuple((a[1:], "*u8") if a.startswith("*") else (a, "i32") for a in args.split())
+    types = arg_types("*xq *xs *order *offs *rcode *rscale *rrow *act H I E topk wexp")
     d = (("STAGES", stages), ("RAW", raw), *((("SKIP", skip),) if skip else ()))
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw))
 
