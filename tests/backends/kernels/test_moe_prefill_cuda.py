@@ -273,34 +273,43 @@ def _inv448(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(live, torch.full_like(amax, 448.0) / torch.where(live, amax, 1.0), torch.zeros_like(amax))
 
 
+def _e4m3_weights(w: quant.NVFP4Tensor) -> torch.Tensor:
+    """The fp8 build's weights in float64: value x scale x 2^-wexp rounded to E4M3, x 2^wexp x the tensor scale."""
+    e = pc.fp8_exponent(w)
+    qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(w.data, w.scale, None))
+    q8 = (qs * 2.0**-e).to(torch.float8_e4m3fn).double() * 2.0**e
+    return q8 * w.global_scale.double() if w.global_scale is not None else q8  # [E, N, 1] or a 0-d scale
+
+
+def _e4m3_rows(v: torch.Tensor) -> torch.Tensor:
+    """Rows in E4M3 with amax / 448 scales (moe_pf_quant), in float64."""
+    v = v.float()
+    amax = v.abs().amax(-1, keepdim=True)
+    return (v * _inv448(amax)).to(torch.float8_e4m3fn).double() * _div448(amax).double()
+
+
+def _bf16(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.bfloat16).double()
+
+
+def _swiglu_bf16(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """act from the FC1 rows [gate | up] as the kernels round it: gate, up, SiLU(gate) and the product in bf16."""
+    g, u = _bf16(gu[:, :inter]), _bf16(gu[:, inter:])
+    return _bf16(_bf16(g * torch.sigmoid(g)) * u)
+
+
 def _fp8_model(x, ids, wts, w13, w2, sh13, sh2) -> torch.Tensor:
     """What the fp8 build computes, in float64 on the GPU: weights value x scale x 2^-wexp rounded to E4M3 (x 2^wexp
     x the tensor scale), tokens and act in E4M3 with amax / 448 row scales, act and each slot's FC2 row rounded to
     bf16 as the kernels store them, the shared expert exact (bf16 tiles)."""
-    def weights(w) -> torch.Tensor:
-        e = pc.fp8_exponent(w)
-        qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(w.data, w.scale, None))
-        q8 = (qs * 2.0**-e).to(torch.float8_e4m3fn).double() * 2.0**e
-        return q8 * w.global_scale.double() if w.global_scale is not None else q8  # [E, N, 1] or a 0-d scale
-
-    def rows_e4m3(v: torch.Tensor) -> torch.Tensor:
-        v = v.float()
-        amax = v.abs().amax(-1, keepdim=True)
-        return (v * _inv448(amax)).to(torch.float8_e4m3fn).double() * _div448(amax).double()
-
-    def bf16(v: torch.Tensor) -> torch.Tensor:
-        return v.to(torch.bfloat16).double()
-
-    W13, W2 = weights(w13), weights(w2)
-    xq = rows_e4m3(x.bfloat16())
+    W13, W2 = _e4m3_weights(w13), _e4m3_weights(w2)
+    xq = _e4m3_rows(x.bfloat16())
     inter = W2.shape[-1]
     down = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float64, device=x.device)
     for e in range(W13.shape[0]):
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        gu = xq[tok] @ W13[e].t()
-        g, u = bf16(gu[:, :inter]), bf16(gu[:, inter:])
-        act = bf16(bf16(g * torch.sigmoid(g)) * u)
-        down[tok, slot] = bf16((rows_e4m3(act) @ W2[e].t()) * wts[tok, slot].double().unsqueeze(-1))
+        act = _swiglu_bf16(xq[tok] @ W13[e].t(), inter)
+        down[tok, slot] = _bf16((_e4m3_rows(act) @ W2[e].t()) * wts[tok, slot].double().unsqueeze(-1))
     routed = down.sum(dim=1)
     shared = _reference(x.double(), ids, torch.zeros_like(wts), w13, w2, sh13, sh2, "nvfp4", "mxfp8" if sh13 else None,
                         dtype=torch.float64) if sh13 is not None else 0.0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_moe_prefill import _problem, _to
-from test_moe_prefill_cuda import _div448, _inv448
+from test_moe_prefill_cuda import _e4m3_rows, _e4m3_weights, _swiglu_bf16
 
 from m3c.backends.cuda_aot import SOURCE_DIR, compile_cuda, disassemble, find_nvcc
 from m3c.backends.kernels import moe_cuda
@@ -68,25 +68,14 @@ def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: quant.NVFP4Tensor) -> torch.Tensor:
     """act of each sorted pair in float64, rounded as the kernel rounds (module docstring)."""
-    e = pc.fp8_exponent(w13)
-    qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(w13.data, w13.scale, None))
-    w = (qs * 2.0**-e).to(torch.float8_e4m3fn).double() * 2.0**e
-    w = w * w13.global_scale.double() if w13.global_scale is not None else w
-    xf = x.bfloat16().float()
-    amax = xf.abs().amax(-1, keepdim=True)
-    xq = (xf * _inv448(amax)).to(torch.float8_e4m3fn).double() * _div448(amax).double()
+    w, xq = _e4m3_weights(w13), _e4m3_rows(x.bfloat16())
     k, inter = ids.shape[1], w.shape[1] // 2
     order = order.long()
     tok, ex = order // k, ids.reshape(-1)[order]
     out = torch.zeros(order.numel(), inter, dtype=torch.float64, device=x.device)
-
-    def bf16(v: torch.Tensor) -> torch.Tensor:
-        return v.to(torch.bfloat16).double()
     for i in range(w.shape[0]):
         rows = (ex == i).nonzero(as_tuple=True)[0]
-        gu = xq[tok[rows]] @ w[i].t()
-        g, u = bf16(gu[:, :inter]), bf16(gu[:, inter:])
-        out[rows] = bf16(bf16(g * torch.sigmoid(g)) * u)
+        out[rows] = _swiglu_bf16(xq[tok[rows]] @ w[i].t(), inter)
     return out
 
 
