@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
     ap.add_argument("--builds", nargs="+", default=["3,3"], metavar="STAGES,RAW[,SKIP]",
-                    help="SKIP 1: no MMAs, 2: no decode (timing probes, wrong results)")
+                    help="SKIP 1: no MMAs, 2: no decode, 3: neither (timing probes, wrong results)")
     ap.add_argument("--once", action="store_true", help="two calls of the first build, nothing else (for ncu)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -37,7 +37,7 @@ RAW = 3  # raw code / scale buffers (20 KiB each)
 BT = 128  # sorted token rows a CTA
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
-SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing
+SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing, 3 = both
 
 
 def smem_bytes(stages: int, raw: int) -> int:

@@ -18,7 +18,8 @@
 #define RAW 3     // raw code / scale buffers (20 KiB each)
 #endif
 #ifndef SKIP
-#define SKIP 0    // timing probes only (wrong results): 1 = consumers issue no MMAs, 2 = the producer decodes nothing
+#define SKIP 0    // timing probes only (wrong results): 1 = consumers issue no MMAs, 2 = the producer decodes nothing,
+                  // 3 = both
 #endif
 #define BT 128
 #define NR 256
@@ -33,7 +34,8 @@
 #define RC_BYTES (16 * 1024)       // codes of a stage: 16 tiles x 1 KiB
 #define RAW_BYTES (RC_BYTES + 16 * 256)  // + each tile's 256-K super-chunk of scales (256 B)
 #define NP 128  // producer threads (fixed: the copies assume 4 tiles a warp; a second producer warpgroup would
-                // leave the m64n256 consumers < 154 registers)
+                // cap every thread at 128 registers, and ptxas needs >= 154 for an m64n256 wgmma even where
+                // setmaxnreg.inc gives the consumers more: "Insufficient registers (128) to compile instruction")
 #define THREADS (256 + NP)
 
 #include "ptx_common.cuh"
@@ -181,7 +183,7 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
       issue_raw(s + RAW - 1);
       const u8* raw = smem + (rbase - base) + (s % RAW) * RAW_BYTES;
       u8* bsm = smem + (bbase - base) + slot * B_BYTES;
-      constexpr int TW = SKIP == 2 ? 0 : 16 / (NP / 32);  // tiles a producer warp decodes
+      constexpr int TW = SKIP >= 2 ? 0 : 16 / (NP / 32);  // tiles a producer warp decodes
       uint4 dr[TW > 0 ? TW : 1][2][2];  // [tile][chunk][row g / g + 8]: 16 E4M3 of the row's K chunk 4 c + j
 #pragma unroll
       for (int tl = 0; tl < TW; ++tl) {
@@ -234,7 +236,7 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     wg_fence();
     const u32 ab = abase + slot * A_BYTES + cw * 1024, bb = bbase + slot * B_BYTES;
 #pragma unroll
-    for (int t = 0; t < (SKIP == 1 ? 0 : 4); ++t)
+    for (int t = 0; t < (SKIP & 1 ? 0 : 4); ++t)
       wgmma8_ss_n256(acc, smem_desc(ab + 2 * t * LBO_A, LBO_A, 128), smem_desc(bb + 2 * t * LBO_B, LBO_B, 128));
     wg_commit();
     wg_wait_acc<1>(acc);  // stage s - 1's MMAs are done: release its buffers
