@@ -26,7 +26,7 @@ from m3c.model_defs.capacity import (
     Layout,
     plan,
 )
-from m3c.model_defs.config import KV_CACHE_DTYPES, M3Config
+from m3c.model_defs.config import KV_CACHE_DTYPES, MODEL_DTYPES, M3Config
 from m3c.model_defs.presets import PRESETS, get_preset
 
 Subparsers = Any  # argparse's _SubParsersAction is private
@@ -183,6 +183,9 @@ def _register_run(subparsers: Subparsers) -> None:
                    help="chunked prefill: at most N prompt tokens per request and step (default: whole prompt)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    help="override the config's K/V cache format (reference runs; an artifact fixes its own)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default=None,
+                   help="the reference model's activations and dense weights, as `m3c compile --dtype` (reference "
+                   "runs; an artifact fixes its own) (default: float32)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random prompts, and of the random weights of a --preset (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default: %(default)s)")
@@ -196,9 +199,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.artifact:
         from m3c.runtime.executor import run_artifact
 
-        if args.preset or args.checkpoint or args.kv_cache_dtype:
-            raise UsageError("m3c run ARTIFACT: --preset, --checkpoint and --kv-cache-dtype belong to reference "
-                             "runs; the artifact fixes its model and formats (recompile to change them)")
+        if args.preset or args.checkpoint or args.kv_cache_dtype or args.dtype:
+            raise UsageError("m3c run ARTIFACT: --preset, --checkpoint, --kv-cache-dtype and --dtype belong to "
+                             "reference runs; the artifact fixes its model and formats (recompile to change them)")
         report = run_artifact(args.artifact, prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps,
                               batch=args.batch, prefill_chunk=args.prefill_chunk, seed=args.seed, device=args.device,
                               cuda_graphs=not args.no_cuda_graphs)
@@ -210,6 +213,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         preset=None if args.checkpoint else (args.preset or "m3.1-tiny"), checkpoint=args.checkpoint,
         prompt_tokens=args.prompt_tokens, decode_steps=args.decode_steps, batch=args.batch,
         prefill_chunk=args.prefill_chunk, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, device=args.device,
+        dtype=args.dtype or "float32",
     )
     print(report.text())
     return 0
@@ -261,6 +265,10 @@ def _register_compile(subparsers: Subparsers) -> None:
                    help="format of the cached K and V, as vLLM's --kv-cache-dtype (default: the config's)")
     p.add_argument("--indexer-kv-dtype", choices=KV_CACHE_DTYPES,
                    help="format of the cached MSA index keys, as vLLM's indexer_kv_dtype (default: the config's)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
+                   help="the model's activations and dense weights: float32 runs the tokens of the reference model; "
+                   "bfloat16 is what the GPU kernels are built for (the hopper MegaMoE prefill's wgmma kernels take "
+                   "only bf16 activations) (default: %(default)s)")
     p.add_argument("--moe-prefill-precision", choices=MOE_PREFILL_PRECISIONS,
                    help="MMA inputs of the MegaMoE prefill's routed experts on hopper: bf16 (exact weights, ~0.5%% "
                    "error) or fp8 (E4M3 weights, tokens and activations: ~1.3x faster, ~5%% error) (default: bf16)")
@@ -305,7 +313,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     program, cfg, report = compile_preset(
         None if args.checkpoint else source, target=args.target, checkpoint=args.checkpoint, options=options,
         seed=args.seed, cache=not args.no_cache, dump_ir_after=args.dump_ir_after or None,
-        dump_dir=args.dump_dir, explain=args.explain, progress=args.progress or None)
+        dump_dir=args.dump_dir, explain=args.explain, progress=args.progress or None, dtype=args.dtype)
     path = save_artifact(program, cfg, args.output, report.created_from)
     print(report.text())
     if report.pipeline is not None and report.pipeline.dump_paths:
@@ -405,6 +413,8 @@ def _register_bench(subparsers: Subparsers) -> None:
     p.add_argument("--batch", type=int, default=1, metavar="B", help="concurrent requests (default: 1)")
     p.add_argument("--decode-steps", type=int, default=16, metavar="K", help="timed decode steps (default: 16)")
     p.add_argument("--seed", type=int, default=0, help="weights seed of the reference model (default: 0)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
+                   help="the reference model's activations and dense weights (default: %(default)s)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default: auto)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -435,7 +445,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             step = GraphedStep(step)
     else:
         cfg = get_preset(args.preset)
-        step, what = build_model(cfg, seed=args.seed, device=device), f"{cfg.name} reference"
+        step = build_model(cfg, seed=args.seed, device=device, dtype=args.dtype)
+        what = f"{cfg.name} reference ({args.dtype})"
     r = timed_generation(step, cfg, random_prompts(cfg, args.batch, args.prompt_tokens), args.decode_steps, device)
     r.pop("tokens")
     if hasattr(step, "replays"):

@@ -270,16 +270,20 @@ def compile_preset(preset_or_cfg: str | M3Config | None = "m3.1-tiny", target: s
                    checkpoint: str | Path | None = None, options: CompileOptions | None = None, *, seed: int = 0,
                    cache: bool | str | Path | CompileCache | None = True, dump_ir_after: Any = None,
                    dump_dir: str | Path | None = None, explain: bool = False, timing: bool = True,
-                   progress: bool | None = None) -> tuple[Program, M3Config, CompileReport]:
+                   progress: bool | None = None,
+                   dtype: torch.dtype | str = torch.float32) -> tuple[Program, M3Config, CompileReport]:
     """Compile an M3 model: a preset name or config with random weights from `seed`, or a checkpoint.
 
-    Returns ``(program, config, report)``; the config is the one compiled (options applied).
+    `dtype` is the model's activation and dense-weight dtype (:data:`~m3c.model_defs.config.MODEL_DTYPES`): float32 (the default) gives the
+    reference model's tokens; bfloat16 is what the Hopper kernels are built for (the wgmma MegaMoE prefill takes
+    only bf16 activations). Returns ``(program, config, report)``; the config is the one compiled (options applied).
     `cache` is True (``$M3C_CACHE_DIR`` / ``~/.cache/m3c``), a directory, a CompileCache, or
     False/None for no cache. `dump_ir_after` is a pass name, a list of them, or ``"all"``.
     """
-    from m3c.model_defs.checkpoint import build_model, load_checkpoint
+    from m3c.model_defs.checkpoint import build_model, load_checkpoint, model_dtype
     from m3c.model_defs.presets import get_preset
 
+    dtype = model_dtype(dtype)
     options = options or CompileOptions(target=target)
     if options.target != target and target != "cpu":
         options = dataclasses.replace(options, target=target)
@@ -299,10 +303,13 @@ def compile_preset(preset_or_cfg: str | M3Config | None = "m3.1-tiny", target: s
             created_from = {"preset" if isinstance(preset_or_cfg, str) else "config": cfg.name,
                             "weights": f"random, seed {seed}"}
         cfg = options.apply_to(cfg)
+        if dtype != torch.float32:  # (float32 keeps the keys of artifacts cached before the option existed)
+            weights_key += f";dtype={str(dtype).removeprefix('torch.')}"
+            created_from["dtype"] = str(dtype).removeprefix("torch.")
 
     def build() -> MiniMaxM3ForCausalLM:  # only when the cache cannot answer
         tensors = load_checkpoint(checkpoint)[1] if checkpoint is not None else None
-        return build_model(cfg, tensors, seed=seed)
+        return build_model(cfg, tensors, seed=seed, dtype=dtype)
 
     job = _m3_job(build, cfg, weights_key, created_from)
     program, report, _ = _compile_job(job, options, cache=_make_cache(cache), dump_ir_after=dump_ir_after,

@@ -125,6 +125,32 @@ def test_compile_records_the_moe_prefill_precision(tmp_path: Path, capsys: pytes
     assert "invalid choice: 'fp4'" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
+def test_bfloat16_compile_runs_the_bfloat16_reference_tokens(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype bfloat16 builds the model in bf16 (what the GPU kernels take): the artifact's activations are bf16,
+    its cache key and provenance say so, and its greedy tokens equal the bf16 reference run's (`m3c run --dtype`)."""
+    from m3c.ir.types import DType
+
+    ckpt = make_random_checkpoint(ONE_LAYER, tmp_path / "ckpt", seed=int.from_bytes(__import__("os").urandom(2)))
+    argv = ["compile", "--checkpoint", str(ckpt), "--no-cache", "-o"]
+    assert main([*argv, str(tmp_path / "b16"), "--dtype", "bfloat16"]) == 0
+    assert main([*argv, str(tmp_path / "f32")]) == 0
+    b16, f32 = load_artifact(tmp_path / "b16"), load_artifact(tmp_path / "f32")
+    assert b16.manifest["created_from"] == {"checkpoint": "ckpt", "dtype": "bfloat16"}
+    assert f32.manifest["created_from"] == {"checkpoint": "ckpt"}  # float32: as before the option
+    hidden = lambda a: next(n for n in a.program.graph.nodes if n.op == "rms_norm").outputs[0].type.dtype  # noqa
+    assert hidden(b16) == DType.bf16 and hidden(f32) == DType.f32
+    steps = ["--prompt-tokens", "18", "--decode-steps", "6", "--device", "cpu"]
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "b16"), *steps]) == 0
+    got = _tokens(capsys.readouterr().out)
+    assert main(["run", "--checkpoint", str(ckpt), "--dtype", "bfloat16", *steps]) == 0
+    assert got == _tokens(capsys.readouterr().out) and len(got[0]) == 7
+    assert main([*argv, str(tmp_path / "x"), "--dtype", "float16"]) == 2  # not one of the choices
+    assert "invalid choice: 'float16'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    _fails(["run", str(tmp_path / "b16"), "--dtype", "bfloat16"], capsys, "--dtype belong to reference runs")
+
+
 # ---- error exits -----------------------------------------------------------------------------
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str], *words: str) -> str:
     assert main(argv) == 2

@@ -12,7 +12,7 @@ from torch import nn
 import m3c
 from m3c.backends import CompileOptions
 from m3c.compiler import CompiledModel, compile_preset
-from m3c.errors import CompileError, TargetError
+from m3c.errors import CompileError, ConfigError, TargetError
 from m3c.model_defs.checkpoint import build_model
 from m3c.model_defs.generate import make_cache
 from m3c.model_defs.presets import get_preset
@@ -150,3 +150,7 @@ def test_bad_requests_are_refused_early() -> None:
         m3c.compile(_Toy(), (torch.randn(1, 16),), flavour="spicy")
     with pytest.raises(CompileError, match="moe_prefill_precision='fp4': expected one of bf16, fp8"):
         CompileOptions(moe_prefill_precision="fp4")
+    with pytest.raises(ConfigError, match="model dtype 'float64': use one of float32, bfloat16"):
+        compile_preset("m3.1-tiny", dtype="float64", cache=False)
+    with pytest.raises(ConfigError, match=r"model dtype torch\.float16"):
+        compile_preset("m3.1-tiny", dtype=torch.float16, cache=False)

@@ -89,8 +89,9 @@ def moe_plan(node: Node, options: CompileOptions) -> tuple[str | None, list[Kern
     why_not = prefill_wgmma_unsupported(hidden, two_inter // 2, shared_inter, act, fmt, sfmt) \
         if precision == "fp8" else None
     if why_not:
-        warnings.warn(f"moe_prefill_precision='fp8' asked for, but {node.outputs[0].name}'s MegaMoE prefill runs "
-                      f"bf16: {why_not}", UserWarning, stacklevel=2)
+        hint = " (compile a bfloat16 model: `m3c compile --dtype bfloat16`)" if act != "bf16" else ""
+        warnings.warn(f"moe_prefill_precision='fp8' asked for, but {node.outputs[0].name}'s MegaMoE prefill cannot "
+                      f"run the fp8 wgmma kernels: {why_not}{hint}", UserWarning, stacklevel=2)
         precision = None
     return None, megamoe_specs(*args, prefill_precision=precision), \
         ({"prefill_precision": precision} if precision else {})

@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from m3c.errors import CheckpointError
+from m3c.errors import CheckpointError, ConfigError
 from m3c.model_defs import quant
-from m3c.model_defs.config import M3Config
+from m3c.model_defs.config import MODEL_DTYPES, M3Config
 from m3c.model_defs.minimax_m3 import MiniMaxM3ForCausalLM
 from m3c.model_defs.presets import get_preset
 from m3c.model_defs.weights import WeightSpec, weight_specs
@@ -180,13 +180,24 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> tup
     return cfg, tensors
 
 
+def model_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A model dtype (:data:`~m3c.model_defs.config.MODEL_DTYPES`, by name or as a torch dtype) as a torch dtype;
+    anything else is a ConfigError."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name not in MODEL_DTYPES:
+        raise ConfigError(f"model dtype {dtype!r}: use one of {', '.join(MODEL_DTYPES)}")
+    return getattr(torch, name)
+
+
 def build_model(cfg: M3Config, tensors: dict[str, torch.Tensor] | None = None, *, seed: int = 0,
-                device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> MiniMaxM3ForCausalLM:
-    """A reference model with the given checkpoint tensors (or random ones from `seed`).
+                device: str | torch.device = "cpu",
+                dtype: torch.dtype | str = torch.float32) -> MiniMaxM3ForCausalLM:
+    """A reference model with the given checkpoint tensors (or random ones from `seed`), its activations and dense
+    weights in `dtype` (a torch dtype, or a name of MODEL_DTYPES).
 
     On ``device="meta"`` no memory is allocated and no weights are loaded.
     """
-    model = MiniMaxM3ForCausalLM(cfg, device=device, dtype=dtype)
+    model = MiniMaxM3ForCausalLM(cfg, device=device, dtype=model_dtype(dtype) if isinstance(dtype, str) else dtype)
     if str(device) != "meta":
         if tensors is None:
             tensors = random_hf_weights(cfg, seed)

@@ -15,6 +15,7 @@ from typing import Any
 from m3c.errors import ConfigError
 
 KV_CACHE_DTYPES = ("nvfp4", "fp8", "bf16")
+MODEL_DTYPES = ("float32", "bfloat16")  # activations and dense weights of a model built from a config (m3c compile)
 EXPERT_DTYPES = ("nvfp4", "mxfp8", "bf16")
 PROJ_DTYPES = ("mxfp8", "bf16")
 SCORING_FUNCS = ("sigmoid",)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from m3c.errors import ShapeError
-from m3c.model_defs.checkpoint import build_model, load_checkpoint
+from m3c.model_defs.checkpoint import build_model, load_checkpoint, model_dtype
 from m3c.model_defs.config import M3Config
 from m3c.model_defs.generate import GenerationResult, greedy_generate, make_cache
 from m3c.model_defs.kv_cache import indexer_bytes_per_token, kv_bytes_per_token
@@ -59,9 +59,10 @@ def resolve_device(device: str) -> str:
 
 def run_reference(preset: str | M3Config | None = "m3.1-tiny", checkpoint: str | None = None, prompt_tokens: int = 40,
                   decode_steps: int = 16, batch: int = 1, prefill_chunk: int | None = None,
-                  kv_cache_dtype: str | None = None, seed: int = 0, device: str = "auto") -> RunReport:
-    """Build the model (a preset name or a config, random weights from `seed`; or a checkpoint), prefill `batch`
-    random prompts and decode greedily on the reference path."""
+                  kv_cache_dtype: str | None = None, seed: int = 0, device: str = "auto",
+                  dtype: str = "float32") -> RunReport:
+    """Build the model (a preset name or a config, random weights from `seed`; or a checkpoint) in `dtype`
+    (float32 or bfloat16), prefill `batch` random prompts and decode greedily on the reference path."""
     if prompt_tokens < 1 or decode_steps < 0 or batch < 1:
         raise ShapeError("--prompt-tokens and --batch must be >= 1 and --decode-steps >= 0")
     dev = resolve_device(device)
@@ -72,7 +73,7 @@ def run_reference(preset: str | M3Config | None = "m3.1-tiny", checkpoint: str |
         tensors = None
     if kv_cache_dtype:
         cfg = cfg.replace(kv_cache_dtype=kv_cache_dtype)
-    model = build_model(cfg, tensors, seed=seed, device=dev)
+    model = build_model(cfg, tensors, seed=seed, device=dev, dtype=model_dtype(dtype))
     gen = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
     cache = make_cache(cfg, prompt_tokens + decode_steps + 1, batch, device=dev)

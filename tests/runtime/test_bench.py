@@ -29,5 +29,9 @@ def test_bench_cli_on_an_artifact_and_bad_input(tmp_path: Path, capsys: pytest.C
     assert main(["bench", str(art), "--prompt-tokens", "12", "--decode-steps", "2", "--device", "cpu", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["decode_steps"] == 2 and out["prefill_tok_s"] > 0 and "(cpu)" in out["what"]
+    argv = ["bench", "--preset", "m3.1-tiny", "--prompt-tokens", "12", "--decode-steps", "2", "--device", "cpu"]
+    assert main([*argv, "--dtype", "bfloat16", "--json"]) == 0  # the reference model, built in bf16
+    out = json.loads(capsys.readouterr().out)
+    assert out["what"] == "m3.1-tiny reference (bfloat16)" and out["decode_ms_per_step"] > 0
     assert main(["bench", "--decode-steps", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err

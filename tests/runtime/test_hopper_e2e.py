@@ -3,11 +3,14 @@ saved, reloaded and run: greedy tokens equal the reference model's for 32 decode
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from m3c.backends.hopper import lower_hopper
 from m3c.compiler import compile_preset
+from m3c.ir.types import DType
 from m3c.runtime.artifact import load_artifact, save_artifact
 from m3c.runtime.executor import Executor, run_artifact
 from m3c.runtime.reference import run_reference
@@ -132,7 +135,13 @@ def test_moe_prefill_precision_option_reaches_the_artifact_and_the_launcher(tmp_
 
     node = next(n for n in program.graph.nodes if n.op == "megamoe")
     monkeypatch.setattr(megamoe, "PREFILL_WGMMA", False)  # a node the wgmma prefill cannot take: said, not passed on
-    with pytest.warns(UserWarning, match="runs bf16: the wgmma prefill is off"):
+    with pytest.warns(UserWarning, match="cannot run the fp8 wgmma kernels: the wgmma prefill is off"):
+        why, specs, launch_args = moe_plan(node, opts)
+    assert why is None and specs and launch_args == {}
+    monkeypatch.setattr(megamoe, "PREFILL_WGMMA", True)  # a float32 model's node: the way to bf16 is named
+    x = node.inputs[0]
+    monkeypatch.setattr(x, "type", dataclasses.replace(x.type, dtype=DType.f32))
+    with pytest.warns(UserWarning, match=r"activations are fp32: .*`m3c compile --dtype bfloat16`"):
         why, specs, launch_args = moe_plan(node, opts)
     assert why is None and specs and launch_args == {}
 
