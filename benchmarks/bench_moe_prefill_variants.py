@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
     ap.add_argument("--triton-default-only", action="store_true", help="of the Triton tilings, time the default")
     ap.add_argument("--no-wgmma", action="store_true", help="skip the CUDA C++ wgmma kernels (moe_prefill_cuda)")
-    ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES[,INFLIGHT[,PROMOTE[,CTAS[,XPAD]]]]",
+    ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES[,INFLIGHT[,PROMOTE[,CTAS[,XPAD[,LUT]]]]]",
                     help="wgmma builds to time (default: WGMMA_VARIANTS)")
     ap.add_argument("--wgmma-precision", nargs="+", default=["bf16"], choices=pc.PRECISIONS,
                     help="routed-tile precisions of each wgmma build (fp8 builds take BT 128 or 256)")
@@ -156,15 +156,17 @@ def main() -> None:
             print(t, name, variants[name], flush=True)
         builds = [tuple(int(v) for v in b.split(",")) for b in args.wgmma_builds] if args.wgmma_builds else \
             WGMMA_VARIANTS
-        builds = [(*b, *(1, 0, 1, 0)[len(b) - 3:]) for b in builds]  # INFLIGHT 1, PROMOTE 0, CTAS 1, XPAD 0
-        for bt, wgs, stages, inflight, promote, ctas, xpad, prec in [] if args.no_wgmma else [
+        builds = [(*b, *(1, 0, 1, 0, 0)[len(b) - 3:]) for b in builds]  # INFLIGHT 1, PROMOTE 0, CTAS 1, XPAD 0, LUT 0
+        firsts: dict[str, torch.Tensor] = {}  # each precision's first build's output (are the others bitwise equal?)
+        for bt, wgs, stages, inflight, promote, ctas, xpad, lut, prec in [] if args.no_wgmma else [
                 (*b, pr) for b in builds for pr in args.wgmma_precision if pr == "bf16" or b[0] != 64]:
             name = f"wgmma_bt{bt}_wg{wgs}_s{stages}" + (f"_f{inflight}" if inflight > 1 else "") + \
                 ("" if prec == "bf16" else f"_{prec}") + ("_promote" if promote and prec == "fp8" else "") + \
-                (f"_c{ctas}" if ctas > 1 else "") + (f"_x{xpad}" if xpad else "")
-            saved = (pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD)
-            pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD = \
-                bt, wgs, stages, inflight, bool(promote), ctas, xpad
+                (f"_c{ctas}" if ctas > 1 else "") + (f"_x{xpad}" if xpad else "") + \
+                ("_lut" if lut and prec == "fp8" else "")
+            saved = (pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT)
+            pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT = \
+                bt, wgs, stages, inflight, bool(promote), ctas, xpad, bool(lut)
             out = torch.empty_like(x)
 
             def run_w(out=out, a=(x, ids, wts, w13, w2, sh13, sh2), prec=prec):
@@ -173,10 +175,11 @@ def main() -> None:
                 got = run_w()
                 torch.cuda.synchronize()
                 variants[name] = measure(run_w, got)
+                variants[name]["bitwise_equal_to_first"] = bool(torch.equal(got, firsts.setdefault(prec, got.clone())))
             except Exception as e:  # reported, not fatal
                 variants[name] = {"error": str(e)[:300]}
             finally:
-                pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD = saved
+                pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT = saved
             print(t, name, variants[name], flush=True)
         row["variants"] = variants
         best = min((v["ms"], k) for k, v in variants.items() if "ms" in v)

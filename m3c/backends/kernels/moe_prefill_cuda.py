@@ -31,9 +31,11 @@ accumulator; act rounded as the reference's bf16 model (gate, up, SiLU(gate) and
 
 ``precision="fp8"`` (:data:`PRECISION` the default; the build's ``ROUTED_FP8``): the routed tiles run
 ``wgmma.m64n128k32`` E4M3 x E4M3 in stages of 128 K (the same 128 bytes a token row a stage, the same prepacked
-weights). Each lane builds, per 64-K chunk, two 8-byte tables of E4M3(magnitude x its rows' scale x 2^-wexp)
-(``cvt.rn.satfinite.e4m3x2.f16x2``; :func:`fp8_exponent` keeps 6 x the largest scale in range) and turns each NVFP4
-word into two E4M3 A registers by a byte lookup and the sign bits — the rounding Blackwell's ``QMUL4`` does.
+weights). Each lane takes, per 64-K chunk, two 8-byte tables of E4M3(magnitude x its rows' scale x 2^-wexp)
+(``cvt.rn.satfinite.e4m3x2.f16x2``; :func:`fp8_exponent` keeps 6 x the largest scale in range; :data:`LUT`: the
+CTA makes the table of each of the 256 scale bytes once, into shared memory, and the loop looks them up) and turns
+each NVFP4 word into two E4M3 A registers by a byte lookup and the sign bits — the rounding Blackwell's ``QMUL4``
+does.
 The tokens and act are E4M3 with one float32 scale a row (amax / 448, the ``moe_pf_quant`` kernel; the tokens in
 :func:`fp8_k_order`); the shared expert's tiles stay bf16. H200, m3.1-small, T = 4096 (RESULTS.md, session 17):
 5.1 vs 6.9 ms (FC1 455 TFLOP/s, FC2 383), ~5% relative error vs the float64 reference instead of ~0.5%: the E4M3
@@ -72,6 +74,8 @@ STAGES = 5  # cp.async ring depth (stages of 128 bytes a token row; prefetch dis
 INFLIGHT = 1  # wgmma groups a warpgroup leaves in flight after each step (1, 2 or 3)
 XPAD = 0  # bytes of padding between the token tile's 16-byte K chunks (64: bank-conflict-free cp.async)
 CTAS = 1  # CTAs an SM the kernels' registers are held to (launch bounds); their shared memory must fit as many
+LUT = True  # fp8: the E4M3 product tables looked up by scale byte in a shared table built once a CTA (bitwise the
+# tables the loop would make; 4.7 vs 4.9 ms at T = 4096, RESULTS.md session 20)
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
 KST = 64
 ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128
@@ -125,21 +129,22 @@ def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
                           f"STAGES {STAGES} (3..8), INFLIGHT {INFLIGHT} (1..3), PROMOTE {PROMOTE} (WGS <= 2, BT 128)")
     if CTAS not in (1, 2, 3, 4) or CTAS * WGS > 8:
         raise ConfigError(f"moe_prefill_cuda: CTAS {CTAS} (1..4 CTAs an SM, at most 8 warpgroups with WGS {WGS})")
-    # an SM's 228 KiB, less 1 KiB the system reserves a CTA and the kernels' static arrays (20 B a token)
+    # an SM's 228 KiB, less 1 KiB the system reserves a CTA and the kernels' static arrays (20 B a token, the LUT)
     if XPAD % 16 or not 0 <= XPAD <= 112:
         raise ConfigError(f"moe_prefill_cuda: XPAD {XPAD} (a multiple of 16 in 0..112)")
-    if CTAS * (_smem(BT, WGS, STAGES, XPAD) + 1024 + 20 * BT) > 228 * 1024:
+    if CTAS * (_smem(BT, WGS, STAGES, XPAD) + 1024 + 20 * BT + (2048 if LUT and fp8 else 0)) > 228 * 1024:
         raise ConfigError(f"moe_prefill_cuda: {STAGES} stages of BT {BT}, WGS {WGS} need "
                           f"{_smem(BT, WGS, STAGES, XPAD)} bytes of shared memory a CTA, more than {CTAS} CTA(s) of an H200 "
                           "SM have")
-    return _specs(BT, WGS, STAGES, fp8, INFLIGHT, PROMOTE and fp8, CTAS, XPAD)
+    return _specs(BT, WGS, STAGES, fp8, INFLIGHT, PROMOTE and fp8, CTAS, XPAD, LUT and fp8)
 
 
 @functools.cache
 def _specs(bt: int, wgs: int, stages: int, fp8: bool, inflight: int, promote: bool,
-           ctas: int, xpad: int) -> tuple[CudaKernelSpec, ...]:
+           ctas: int, xpad: int, lut: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WGS", wgs), ("BT", bt), ("STAGES", stages), ("ROUTED_FP8", int(fp8)), ("INFLIGHT", inflight),
-         ("PROMOTE", int(promote)), *((("CTAS", ctas),) if ctas > 1 else ()), *((("XPAD", xpad),) if xpad else ()))
+         ("PROMOTE", int(promote)), *((("CTAS", ctas),) if ctas > 1 else ()), *((("XPAD", xpad),) if xpad else ()),
+         *((("LUT", 1),) if lut else ()))
     smem = _smem(bt, wgs, stages, xpad)
 
     def spec(kernel: str, args: str, warps: int = 4 * wgs, shared: int = smem) -> CudaKernelSpec:

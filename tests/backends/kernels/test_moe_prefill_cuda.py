@@ -20,17 +20,21 @@ from m3c.errors import ConfigError, ShapeError, TargetError
 from m3c.model_defs import quant
 
 
-@pytest.mark.parametrize("bt, wgs, stages, prec, inflight, promote", [
-    (128, 4, 5, "bf16", 1, 0), (256, 2, 5, "bf16", 1, 0), (64, 2, 6, "bf16", 2, 0), (128, 4, 5, "fp8", 1, 0),
-    (128, 4, 6, "fp8", 3, 0), (128, 2, 4, "fp8", 1, 1), (256, 2, 5, "fp8", 1, 0), (256, 2, 4, "fp8", 2, 0)])
+@pytest.mark.parametrize("bt, wgs, stages, prec, inflight, promote, lut", [
+    (128, 4, 5, "bf16", 1, 0, 0), (256, 2, 5, "bf16", 1, 0, 0), (64, 2, 6, "bf16", 2, 0, 0), (128, 4, 5, "fp8", 1, 0, 0),
+    (128, 4, 6, "fp8", 3, 0, 0), (128, 2, 4, "fp8", 1, 1, 0), (256, 2, 5, "fp8", 1, 0, 0), (256, 2, 4, "fp8", 2, 0, 0),
+    (128, 4, 5, "fp8", 1, 0, 1)])
 def test_kernels_compile_for_sm90a_with_register_a_wgmma(bt: int, wgs: int, stages: int, prec: str, inflight: int,
-                                                         promote: int, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                         promote: int, lut: int,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pc, "BT", bt)
     monkeypatch.setattr(pc, "WGS", wgs)
     monkeypatch.setattr(pc, "STAGES", stages)
     monkeypatch.setattr(pc, "INFLIGHT", inflight)
     monkeypatch.setattr(pc, "PROMOTE", bool(promote))
+    monkeypatch.setattr(pc, "LUT", bool(lut))
     specs = pc.specs(prec)
+    assert (("LUT", 1) in specs[0].defines) == bool(lut)
     assert len(specs) == (3 if prec == "fp8" else 2)
     for spec in specs[:2]:
         ck = compile_cuda(spec, "sm_90a")
@@ -47,7 +51,8 @@ def test_kernels_compile_for_sm90a_with_register_a_wgmma(bt: int, wgs: int, stag
     with tempfile.TemporaryDirectory() as tmp:  # ptxas keeps every wgmma asynchronous (no serialization warning)
         res = subprocess.run([find_nvcc(), "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v",
                               f"-DBT={bt}", f"-DWGS={wgs}", f"-DSTAGES={stages}",
-                              f"-DROUTED_FP8={int(prec == 'fp8')}", f"-DINFLIGHT={inflight}", f"-DPROMOTE={promote}", "-o", str(Path(tmp) / "k.cubin"),
+                              f"-DROUTED_FP8={int(prec == 'fp8')}", f"-DINFLIGHT={inflight}", f"-DPROMOTE={promote}",
+                              f"-DLUT={lut}", "-o", str(Path(tmp) / "k.cubin"),
                               str(SOURCE_DIR / pc.SOURCE)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "serializ" not in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-2000:]
@@ -351,6 +356,24 @@ def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew:
     rel_exact = float((out.double() - ref.double()).norm() / ref.double().norm())
     assert rel_exact < 8e-2, rel_exact
     assert torch.equal(pc.moe_prefill_wgmma(xb, *args[1:], precision="fp8"), out), "not deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, h, inter, e, k, s, skew, empty", [(300, 6144, 256, 8, 2, 128, True, 3),
+                                                                (1000, 6144, 1536, 64, 8, 1536, False, 3)])
+def test_fp8_lut_build_equals_the_default_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew: bool,
+                                                    empty: int, rng: torch.Generator,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """LUT (the E4M3 product tables looked up by scale byte from a shared table built once a CTA) makes the same
+    tables as the loop's own e4m3_tables: the whole op's output is bitwise the default build's (NaN-poisoned)."""
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng, skew=skew, empty=empty)
+    args = [_to(v, "cuda") for v in (x.bfloat16(), ids, wts, w13, w2, sh13, sh2)]
+    outs = []
+    for lut in (False, True):
+        monkeypatch.setattr(pc, "LUT", lut)
+        out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+        outs.append(pc.moe_prefill_wgmma(*args, out=out, precision="fp8"))
+    assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

@@ -38,6 +38,11 @@
 #if PROMOTE && BT != 128
 #error "PROMOTE builds take BT 128 (a second accumulator of BT / 2 registers)"
 #endif
+#ifndef LUT
+#define LUT 0       // ROUTED_FP8: the E4M3 product tables looked up by scale byte in a 2 KiB shared table, built once
+                    // a CTA, instead of made from each scale in the loop (4 loads for ~48 instructions a stage; the
+                    // host turns it on: moe_prefill_cuda.LUT)
+#endif
 #ifndef CTAS
 #define CTAS 1      // CTAs an SM the registers are held to (__launch_bounds__; shared memory must fit them too)
 #endif
@@ -263,6 +268,11 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
   const u32 base = smem_u32(smem);
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+#if ROUTED_FP8 && LUT
+  __shared__ uint2 lut[256];  // (the first stage's __syncthreads orders these stores before any lookup)
+  if (F8)
+    for (int i = tid; i < 256; i += THREADS) lut[i] = e4m3_table_of(i, wdec);
+#endif
 
   // This thread's copies, the same in every stage (only the K offset moves): 16-byte token chunks i = tid + THREADS q
   // (token n = (i / 2) % BT, chunk 2m + i % 2 with m = i / (2 BT): two neighbouring lanes read the two halves of one
@@ -344,8 +354,16 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
       const uint4 c0 = *(const uint4*)(wb + lane * 16), c1 = *(const uint4*)(wb + 512 + lane * 16);
       const u32 sw = *(const u32*)(sb + lane * 8 + (s & 1) * 4);
       u32 tg[2][2], tg8[2][2];
+#if LUT
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {  // sw bytes: row g / g + 8 of chunk 0, then of chunk 1
+        const uint2 q = lut[(sw >> (16 * c)) & 0xFFu], q8 = lut[(sw >> (16 * c + 8)) & 0xFFu];
+        tg[c][0] = q.x, tg[c][1] = q.y, tg8[c][0] = q8.x, tg8[c][1] = q8.y;
+      }
+#else
       e4m3_tables(hmul2(e4m3x2_lo(sw), wdec), tg[0], tg8[0]);
       e4m3_tables(hmul2(e4m3x2_hi(sw), wdec), tg[1], tg8[1]);
+#endif
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         const u32 w0 = t == 0 ? c0.x : t == 1 ? c0.z : t == 2 ? c1.x : c1.z;

@@ -88,6 +88,13 @@ __device__ __forceinline__ void e4m3_tables(u32 sp, u32 (&tg)[2], u32 (&tg8)[2])
   tg8[0] = prmt(f16x2_to_e4m3x2(hmul2(s8, m01)), f16x2_to_e4m3x2(hmul2(s8, m23)), 0x5410u);
   tg8[1] = prmt(f16x2_to_e4m3x2(hmul2(s8, m45)), f16x2_to_e4m3x2(hmul2(s8, m67)), 0x5410u);
 }
+// The product table of one E4M3 scale byte b (x 2^-wexp: `wdec`), as e4m3_tables makes it: byte i of (x, y) =
+// E4M3(magnitude i x b x 2^-wexp). A kernel keeps all 256 in shared memory and looks tables up by scale byte.
+__device__ __forceinline__ uint2 e4m3_table_of(u32 b, u32 wdec) {
+  u32 tg[2], tg8[2];
+  e4m3_tables(hmul2(e4m3x2_lo(b * 0x0101u), wdec), tg, tg8);
+  return make_uint2(tg[0], tg[1]);
+}
 // One lane's NVFP4 word of a 16-K step (nvfp4_frag's packing) -> E4M3 x 4 of row g (K e = 0..3, nibbles 0, 1, 4, 5)
 // and of row g + 8 (nibbles 2, 3, 6, 7): magnitudes looked up in the rows' product tables, sign bits moved to bit 7.
 __device__ __forceinline__ void nvfp4_e4m3(u32 w, const u32 (&tg)[2], const u32 (&tg8)[2], u32& rg, u32& rg8) {
