@@ -23,15 +23,16 @@ FP8_FLOPS = 1280e12
 
 
 def set_build(b: str) -> None:
-    """moe_prefill_ws's build knobs from "STAGES,RAW[,SKIP]"."""
-    v = [int(x) for x in b.split(",")] + [0][len(b.split(",")) - 2:]
-    ws.STAGES, ws.RAW, ws.SKIP = v
+    """moe_prefill_ws's build knobs from "STAGES,RAW[,SKIP[,LUT]]"."""
+    v = [int(x) for x in b.split(",")]
+    ws.STAGES, ws.RAW, ws.SKIP, lut = (v + [0, 0][len(v) - 2:])[:4]
+    ws.LUT = bool(lut)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
-    ap.add_argument("--builds", nargs="+", default=["3,3"], metavar="STAGES,RAW[,SKIP]",
+    ap.add_argument("--builds", nargs="+", default=["3,3"], metavar="STAGES,RAW[,SKIP[,LUT]]",
                     help="SKIP 1: no MMAs, 2: no decode, 3: neither (timing probes, wrong results)")
     ap.add_argument("--once", action="store_true", help="two calls of the first build, nothing else (for ncu)")
     args = ap.parse_args()
@@ -70,7 +71,7 @@ def main() -> None:
                "register_a_ms": bench(run_ref), "register_a_graph_ms": bench_graph(run_ref)}
         for b in args.builds:
             set_build(b)
-            name = f"ws_s{ws.STAGES}_r{ws.RAW}" + (f"_skip{ws.SKIP}" if ws.SKIP else "")
+            name = f"ws_s{ws.STAGES}_r{ws.RAW}" + (f"_skip{ws.SKIP}" if ws.SKIP else "") + ("_lut" if ws.LUT else "")
             act = torch.full((p, I), float("nan"), dtype=torch.bfloat16, device="cuda")
 
             def run_ws(act=act, a=(xq_n, xs, order, offs, c13, s13, g13)):

@@ -12,7 +12,9 @@ H200, m3.1-small (RESULTS.md, session 19): T = 4096 2.27 ms vs 2.45 for the regi
 the same run (T = 16384: 9.02 vs 9.25): 1.03-1.08x, not the ~2x hoped for. The producer is the limit: with the
 consumers' MMAs removed it alone takes ~2.3 ms, while the consumers with the decode removed take 1.76 ms (700 TFLOP/s).
 One producer warpgroup is all the registers allow (512 threads cap them at 128; the m64n256 consumers need >= 154).
-Not wired into ``megamoe``: next, a cheaper producer (TMA for the tokens, fewer decode instructions) and FC2.
+Session 20: the producer's copies and barriers alone take 1.61 of the 2.27 ms (latency-bound: deeper rings are
+faster, 4 stages do not fit); its tables from a shared lookup table (:data:`LUT`) 2.16 ms vs 2.27 for the register-A
+FC1 with the same lookup. Not wired into ``megamoe``.
 
 Routed experts only (the shared expert stays in the register-A kernels); tokens in E4M3 with one float32 scale a
 row in natural K order (``moe_pf_quant`` with ``permute=0``); ``act`` in natural column order. Weights: moe_cuda's
@@ -37,6 +39,7 @@ RAW = 3  # raw code / scale buffers (20 KiB each)
 BT = 128  # sorted token rows a CTA
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
+LUT = True  # the E4M3 product tables looked up by scale byte in a shared table built once a CTA (2.30 -> 2.16 ms)
 SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing, 3 = both
 
 
@@ -50,13 +53,13 @@ def fc1_spec() -> CudaKernelSpec:
     """The FC1 kernel's spec at the current :data:`STAGES` / :data:`RAW`."""
     if not 2 <= STAGES <= 4 or not 2 <= RAW <= 4 or smem_bytes(STAGES, RAW) > 227 * 1024 - 2048:
         raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
-    return _spec(STAGES, RAW, SKIP)
+    return _spec(STAGES, RAW, SKIP, LUT)
 
 
 @functools.cache
-def _spec(stages: int, raw: int, skip: int) -> CudaKernelSpec:
+def _spec(stages: int, raw: int, skip: int, lut: bool = False) -> CudaKernelSpec:
     types = arg_types("*xq *xs *order *offs *rcode *rscale *rrow *act H I E topk wexp")
-    d = (("STAGES", stages), ("RAW", raw), *((("SKIP", skip),) if skip else ()))
+    d = (("STAGES", stages), ("RAW", raw), *((("SKIP", skip),) if skip else ()), *((("LUT", 1),) if lut else ()))
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw))
 
 

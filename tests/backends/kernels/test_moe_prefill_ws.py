@@ -22,19 +22,21 @@ from m3c.backends.triton_aot import jit_run
 from m3c.errors import ConfigError, ShapeError
 from m3c.model_defs import quant
 
-BUILDS = [(3, 3), (3, 2), (2, 3)]  # (A / B stages, raw stages)
+BUILDS = [(3, 3, 0), (3, 2, 0), (2, 3, 0), (3, 3, 1)]  # (A / B stages, raw stages, LUT)
 
 
-@pytest.mark.parametrize("stages, raw", BUILDS)
-def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(stages: int, raw: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in (("STAGES", stages), ("RAW", raw)):
+@pytest.mark.parametrize("stages, raw, lut", BUILDS)
+def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(stages: int, raw: int, lut: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in (("STAGES", stages), ("RAW", raw), ("LUT", bool(lut))):
         monkeypatch.setattr(ws, k, v)
     spec = ws.fc1_spec()
     assert spec.num_warps == 12 and spec.shared_bytes == ws.smem_bytes(stages, raw) <= 227 * 1024 - 2048
     sass = disassemble(compile_cuda(spec, "sm_90a").binary)
     assert sass.count("QGMMA.64x256x32.F32.E4M3.E4M3") == 4  # one stage: 4 k32 steps, A and B from descriptors
     assert "SYNCS.PHASECHK" in sass and "SYNCS.ARRIVE" in sass  # mbarrier waits and arrivals
-    assert "LDGSTS" in sass and "F2FP.SATFINITE.E4M3" in sass
+    assert "LDGSTS" in sass and "F2FP.SATFINITE.E4M3" in sass  # (LUT: in the table build)
+    assert (("LUT", 1) in spec.defines) == bool(lut)
     with tempfile.TemporaryDirectory() as tmp:
         res = subprocess.run([find_nvcc(), "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v",
                               *[f"-D{k}={v}" for k, v in spec.defines], "-o", str(Path(tmp) / "k.cubin"),
@@ -80,15 +82,15 @@ def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: qua
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages, raw", BUILDS)
+@pytest.mark.parametrize("stages, raw, lut", BUILDS)
 @pytest.mark.parametrize("t, h, inter, e, k, skew, empty", [(300, 512, 256, 8, 2, True, 3),
                                                              (1000, 6144, 1536, 64, 8, False, 2)])
 def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, k: int, skew: bool, empty: int,
-                                            stages: int, raw: int, rng: torch.Generator,
+                                            stages: int, raw: int, lut: int, rng: torch.Generator,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Partial tiles (a skewed expert, empty experts), every sorted pair's row written (NaN-poisoned act), within
     the E4M3 accumulator's loss of the float64 model; deterministic."""
-    for name, v in (("STAGES", stages), ("RAW", raw)):
+    for name, v in (("STAGES", stages), ("RAW", raw), ("LUT", bool(lut))):
         monkeypatch.setattr(ws, name, v)
     x, ids, _, w13, _, _, _ = _problem(t, h, inter, e, k, 0, "nvfp4", None, rng, skew=skew, empty=empty)
     x, ids, w13 = _to(x, "cuda"), _to(ids, "cuda"), _to(w13, "cuda")
@@ -107,3 +109,7 @@ def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, 
     again = torch.empty_like(act)
     ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13))
     assert torch.equal(again, act), "not deterministic"
+    if lut:  # the looked-up tables are the ones the loop would make: bitwise the build without LUT
+        monkeypatch.setattr(ws, "LUT", False)
+        ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13))
+        assert torch.equal(again, act)

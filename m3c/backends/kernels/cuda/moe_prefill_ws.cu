@@ -17,6 +17,9 @@
 #ifndef RAW
 #define RAW 3     // raw code / scale buffers (20 KiB each)
 #endif
+#ifndef LUT
+#define LUT 0     // the product tables looked up by scale byte in a shared table built once a CTA (as moe_prefill_wgmma)
+#endif
 #ifndef SKIP
 #define SKIP 0    // timing probes only (wrong results): 1 = consumers issue no MMAs, 2 = the producer decodes nothing,
                   // 3 = both
@@ -123,6 +126,10 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+#if LUT
+  __shared__ uint2 lut[256];
+  for (int i = tid; i < 256; i += THREADS) lut[i] = e4m3_table_of(i, ((u32)(15 - wexp) << 10) * 0x10001u);
+#endif
   __syncthreads();
   const u32 base = smem_u32(smem);
   const u32 abase = base, bbase = base + STAGES * A_BYTES, rbase = bbase + STAGES * B_BYTES;
@@ -192,8 +199,16 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
         const uint4 c1 = *(const uint4*)(raw + t * 1024 + 512 + lane * 16);
         const u32 sw = *(const u32*)(raw + RC_BYTES + t * 256 + lane * 8 + (s & 1) * 4);
         u32 tg[2][2], tg8[2][2];
+#if LUT
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {  // sw bytes: row g / g + 8 of chunk 0, then of chunk 1
+          const uint2 q = lut[(sw >> (16 * c)) & 0xFFu], q8 = lut[(sw >> (16 * c + 8)) & 0xFFu];
+          tg[c][0] = q.x, tg[c][1] = q.y, tg8[c][0] = q8.x, tg8[c][1] = q8.y;
+        }
+#else
         e4m3_tables(hmul2(e4m3x2_lo(sw), wdec), tg[0], tg8[0]);
         e4m3_tables(hmul2(e4m3x2_hi(sw), wdec), tg[1], tg8[1]);
+#endif
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const uint4 w = c ? c1 : c0;
