@@ -355,11 +355,7 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
       const u32 sw = *(const u32*)(sb + lane * 8 + (s & 1) * 4);
       u32 tg[2][2], tg8[2][2];
 #if LUT
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {  // sw bytes: row g / g + 8 of chunk 0, then of chunk 1
-        const uint2 q = lut[(sw >> (16 * c)) & 0xFFu], q8 = lut[(sw >> (16 * c + 8)) & 0xFFu];
-        tg[c][0] = q.x, tg[c][1] = q.y, tg8[c][0] = q8.x, tg8[c][1] = q8.y;
-      }
+      e4m3_tables_lut(lut, sw, tg, tg8);
 #else
       e4m3_tables(hmul2(e4m3x2_lo(sw), wdec), tg[0], tg8[0]);
       e4m3_tables(hmul2(e4m3x2_hi(sw), wdec), tg[1], tg8[1]);

@@ -126,9 +126,10 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  const u32 wdec = ((u32)(15 - wexp) << 10) * 0x10001u;  // the f16x2 pair 2^-wexp
 #if LUT
   __shared__ uint2 lut[256];
-  for (int i = tid; i < 256; i += THREADS) lut[i] = e4m3_table_of(i, ((u32)(15 - wexp) << 10) * 0x10001u);
+  for (int i = tid; i < 256; i += THREADS) lut[i] = e4m3_table_of(i, wdec);
 #endif
   __syncthreads();
   const u32 base = smem_u32(smem);
@@ -174,7 +175,6 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
       cp_commit();
     };
     for (int s = 0; s < RAW - 1; ++s) issue_raw(s);
-    const u32 wdec = ((u32)(15 - wexp) << 10) * 0x10001u;  // the f16x2 pair 2^-wexp
     for (int s = 0; s < nst; ++s) {
       const int slot = s % STAGES;
       cp_wait<RAW - 2>();
@@ -200,11 +200,7 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
         const u32 sw = *(const u32*)(raw + RC_BYTES + t * 256 + lane * 8 + (s & 1) * 4);
         u32 tg[2][2], tg8[2][2];
 #if LUT
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {  // sw bytes: row g / g + 8 of chunk 0, then of chunk 1
-          const uint2 q = lut[(sw >> (16 * c)) & 0xFFu], q8 = lut[(sw >> (16 * c + 8)) & 0xFFu];
-          tg[c][0] = q.x, tg[c][1] = q.y, tg8[c][0] = q8.x, tg8[c][1] = q8.y;
-        }
+        e4m3_tables_lut(lut, sw, tg, tg8);
 #else
         e4m3_tables(hmul2(e4m3x2_lo(sw), wdec), tg[0], tg8[0]);
         e4m3_tables(hmul2(e4m3x2_hi(sw), wdec), tg[1], tg8[1]);

@@ -95,6 +95,15 @@ __device__ __forceinline__ uint2 e4m3_table_of(u32 b, u32 wdec) {
   e4m3_tables(hmul2(e4m3x2_lo(b * 0x0101u), wdec), tg, tg8);
   return make_uint2(tg[0], tg[1]);
 }
+// The four tables of a lane's scale word sw (bytes: rows g, g + 8 of one 64-K chunk, then of the next) from a
+// kernel's table of all 256 scale bytes (e4m3_table_of); the same tables as e4m3_tables makes from sw's halves.
+__device__ __forceinline__ void e4m3_tables_lut(const uint2* lut, u32 sw, u32 (&tg)[2][2], u32 (&tg8)[2][2]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const uint2 q = lut[(sw >> (16 * c)) & 0xFFu], q8 = lut[(sw >> (16 * c + 8)) & 0xFFu];
+    tg[c][0] = q.x, tg[c][1] = q.y, tg8[c][0] = q8.x, tg8[c][1] = q8.y;
+  }
+}
 // One lane's NVFP4 word of a 16-K step (nvfp4_frag's packing) -> E4M3 x 4 of row g (K e = 0..3, nibbles 0, 1, 4, 5)
 // and of row g + 8 (nibbles 2, 3, 6, 7): magnitudes looked up in the rows' product tables, sign bits moved to bit 7.
 __device__ __forceinline__ void nvfp4_e4m3(u32 w, const u32 (&tg)[2], const u32 (&tg8)[2], u32& rg, u32& rg8) {
