@@ -413,8 +413,9 @@ def _register_bench(subparsers: Subparsers) -> None:
     p.add_argument("--batch", type=int, default=1, metavar="B", help="concurrent requests (default: 1)")
     p.add_argument("--decode-steps", type=int, default=16, metavar="K", help="timed decode steps (default: 16)")
     p.add_argument("--seed", type=int, default=0, help="weights seed of the reference model (default: 0)")
-    p.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
-                   help="the reference model's activations and dense weights (default: %(default)s)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, default=None,
+                   help="the reference model's activations and dense weights (reference runs; an artifact fixes its "
+                   "own) (default: float32)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda (default: auto)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -435,6 +436,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         raise ShapeError("--prompt-tokens, --batch and --decode-steps must be >= 1")
     device = resolve_device(args.device)
     if args.artifact:
+        if args.dtype:
+            raise UsageError("m3c bench ARTIFACT: --dtype belongs to reference runs; the artifact fixes its own "
+                             "(recompile with `m3c compile --dtype`)")
         loaded = load_artifact(args.artifact, device)
         if loaded.cfg is None:
             raise ShapeError(f"{args.artifact}: not an M3 model artifact, nothing to generate with")
@@ -445,8 +449,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             step = GraphedStep(step)
     else:
         cfg = get_preset(args.preset)
-        step = build_model(cfg, seed=args.seed, device=device, dtype=args.dtype)
-        what = f"{cfg.name} reference ({args.dtype})"
+        dtype = args.dtype or "float32"
+        step, what = build_model(cfg, seed=args.seed, device=device, dtype=dtype), f"{cfg.name} reference ({dtype})"
     r = timed_generation(step, cfg, random_prompts(cfg, args.batch, args.prompt_tokens), args.decode_steps, device)
     r.pop("tokens")
     if hasattr(step, "replays"):

@@ -131,7 +131,7 @@ def test_bfloat16_compile_runs_the_bfloat16_reference_tokens(tmp_path: Path,
     its cache key and provenance say so, and its greedy tokens equal the bf16 reference run's (`m3c run --dtype`)."""
     from m3c.ir.types import DType
 
-    ckpt = make_random_checkpoint(ONE_LAYER, tmp_path / "ckpt", seed=int.from_bytes(__import__("os").urandom(2)))
+    ckpt = make_random_checkpoint(ONE_LAYER, tmp_path / "ckpt", seed=11)
     argv = ["compile", "--checkpoint", str(ckpt), "--no-cache", "-o"]
     assert main([*argv, str(tmp_path / "b16"), "--dtype", "bfloat16"]) == 0
     assert main([*argv, str(tmp_path / "f32")]) == 0

@@ -89,7 +89,8 @@ def moe_plan(node: Node, options: CompileOptions) -> tuple[str | None, list[Kern
     why_not = prefill_wgmma_unsupported(hidden, two_inter // 2, shared_inter, act, fmt, sfmt) \
         if precision == "fp8" else None
     if why_not:
-        hint = " (compile a bfloat16 model: `m3c compile --dtype bfloat16`)" if act != "bf16" else ""
+        hint = " (compile a bfloat16 model: `m3c compile --dtype bfloat16`)" \
+            if why_not.startswith("activations are") else ""
         warnings.warn(f"moe_prefill_precision='fp8' asked for, but {node.outputs[0].name}'s MegaMoE prefill cannot "
                       f"run the fp8 wgmma kernels: {why_not}{hint}", UserWarning, stacklevel=2)
         precision = None

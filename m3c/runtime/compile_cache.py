@@ -41,12 +41,17 @@ def default_cache_dir() -> Path:
 
 @functools.cache
 def code_fingerprint() -> str:
-    """sha256 of m3c's own source files and the torch version: any change to the compiler changes every key."""
+    """sha256 of m3c's own source files (Python, and the CUDA C++ kernels' .cu / .cuh, whose text is part of every
+    kernel's key) and the torch version: any change to the compiler changes every key."""
     import m3c
 
-    root = Path(m3c.__file__).parent
+    return source_fingerprint(Path(m3c.__file__).parent)
+
+
+def source_fingerprint(root: Path) -> str:
+    """sha256 of the torch version and every .py / .cu / .cuh file under `root` (names and contents)."""
     h = hashlib.sha256(f"torch {torch.__version__}\n".encode())
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for ext in ("*.py", "*.cu", "*.cuh") for p in root.rglob(ext)):
         h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 

@@ -33,5 +33,7 @@ def test_bench_cli_on_an_artifact_and_bad_input(tmp_path: Path, capsys: pytest.C
     assert main([*argv, "--dtype", "bfloat16", "--json"]) == 0  # the reference model, built in bf16
     out = json.loads(capsys.readouterr().out)
     assert out["what"] == "m3.1-tiny reference (bfloat16)" and out["decode_ms_per_step"] > 0
+    assert main(["bench", str(art), "--dtype", "bfloat16"]) == 2
+    assert "--dtype belongs to reference runs" in capsys.readouterr().err
     assert main(["bench", "--decode-steps", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err

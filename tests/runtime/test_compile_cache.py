@@ -17,6 +17,7 @@ from m3c.runtime.compile_cache import (
     code_fingerprint,
     default_cache_dir,
     model_key,
+    source_fingerprint,
     tensors_key,
 )
 
@@ -62,6 +63,21 @@ def test_keys_follow_every_input(program, make_program) -> None:
     assert base != cache_key(cfg, program.graph, CompileOptions(verify_each=True), "w")
     assert base != cache_key(cfg, program.graph, opts, "w2")
     assert len(code_fingerprint()) == 64
+
+
+def test_source_fingerprint_covers_python_and_cuda_sources(tmp_path: Path) -> None:
+    """A kernel's .cu / .cuh text is part of its key, so editing one must change every cache key (a cached artifact
+    would otherwise name kernels the new source no longer builds); other files do not count."""
+    (tmp_path / "kernels").mkdir()
+    files = {"a.py": "x = 1\n", "kernels/k.cu": "// kernel\n", "kernels/h.cuh": "// header\n", "notes.txt": "n\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    first = source_fingerprint(tmp_path)
+    for name, changed in ((n, n != "notes.txt") for n in files):
+        (tmp_path / name).write_text(files[name] + "// edit\n")
+        assert (source_fingerprint(tmp_path) != first) == changed, name
+        (tmp_path / name).write_text(files[name])
+    assert source_fingerprint(tmp_path) == first
 
 
 def test_weight_and_checkpoint_keys(tmp_path: Path) -> None:

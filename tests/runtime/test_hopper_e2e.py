@@ -184,3 +184,24 @@ def test_cuda_moe_artifact_matches_reference_tokens(tmp_path) -> None:
     got = run_artifact(str(path), prompt_tokens=40, decode_steps=32, batch=2, device="cuda")
     ref = run_reference(cfg, prompt_tokens=40, decode_steps=32, batch=2, device="cuda")
     assert got.result.tokens == ref.result.tokens
+
+
+@pytest.mark.gpu
+def test_bfloat16_preset_compile_runs_the_wgmma_prefill_gpu(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_preset(dtype="bfloat16") (`m3c compile --dtype bfloat16`) for hopper: its artifact's prefill calls the
+    wgmma grouped GEMMs (a float32 compile cannot: they take bf16 activations) and generates valid tokens."""
+    from m3c.backends.kernels import moe_prefill_cuda
+
+    calls: list[int] = []
+    real = moe_prefill_cuda.moe_prefill_wgmma
+
+    def spy(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+    monkeypatch.setattr(moe_prefill_cuda, "moe_prefill_wgmma", spy)
+    cfg = _cuda_moe_cfg()
+    program, cfg, _ = compile_preset(cfg, target="hopper", cache=False, dtype="bfloat16")
+    path = save_artifact(program, cfg, tmp_path / "tiny_bf16.m3c", {"dtype": "bfloat16"})
+    got = run_artifact(str(path), prompt_tokens=40, decode_steps=4, batch=2, device="cuda")
+    assert calls, "the bf16 artifact's prefill did not run the wgmma kernels"
+    assert all(0 <= t < cfg.vocab_size for row in got.result.tokens for t in row)

@@ -129,13 +129,14 @@ def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
                           f"STAGES {STAGES} (3..8), INFLIGHT {INFLIGHT} (1..3), PROMOTE {PROMOTE} (WGS <= 2, BT 128)")
     if CTAS not in (1, 2, 3, 4) or CTAS * WGS > 8:
         raise ConfigError(f"moe_prefill_cuda: CTAS {CTAS} (1..4 CTAs an SM, at most 8 warpgroups with WGS {WGS})")
-    # an SM's 228 KiB, less 1 KiB the system reserves a CTA and the kernels' static arrays (20 B a token, the LUT)
     if XPAD % 16 or not 0 <= XPAD <= 112:
         raise ConfigError(f"moe_prefill_cuda: XPAD {XPAD} (a multiple of 16 in 0..112)")
-    if CTAS * (_smem(BT, WGS, STAGES, XPAD) + 1024 + 20 * BT + (2048 if LUT and fp8 else 0)) > 228 * 1024:
-        raise ConfigError(f"moe_prefill_cuda: {STAGES} stages of BT {BT}, WGS {WGS} need "
-                          f"{_smem(BT, WGS, STAGES, XPAD)} bytes of shared memory a CTA, more than {CTAS} CTA(s) of an H200 "
-                          "SM have")
+    # an SM's 228 KiB holds CTAS x (the ring, 1 KiB the system reserves a CTA, the kernels' static arrays: 20 B a
+    # token and the fp8 lookup table's 2 KiB)
+    need = _smem(BT, WGS, STAGES, XPAD) + 1024 + 20 * BT + (2048 if LUT and fp8 else 0)
+    if CTAS * need > 228 * 1024:
+        raise ConfigError(f"moe_prefill_cuda: {STAGES} stages of BT {BT}, WGS {WGS} need {need} bytes of shared "
+                          f"memory a CTA, more than {CTAS} CTA(s) of an H200 SM have")
     return _specs(BT, WGS, STAGES, fp8, INFLIGHT, PROMOTE and fp8, CTAS, XPAD, LUT and fp8)
 
 

@@ -51,7 +51,8 @@ def smem_bytes(stages: int, raw: int) -> int:
 
 def fc1_spec() -> CudaKernelSpec:
     """The FC1 kernel's spec at the current :data:`STAGES` / :data:`RAW`."""
-    if not 2 <= STAGES <= 4 or not 2 <= RAW <= 4 or smem_bytes(STAGES, RAW) > 227 * 1024 - 2048:
+    # (the static arrays: 1.6 KiB, and the lookup table's 2 KiB)
+    if not 2 <= STAGES <= 4 or not 2 <= RAW <= 4 or smem_bytes(STAGES, RAW) > 227 * 1024 - 2048 - 2048 * LUT:
         raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
     return _spec(STAGES, RAW, SKIP, LUT)
 
