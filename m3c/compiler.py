@@ -274,9 +274,10 @@ def compile_preset(preset_or_cfg: str | M3Config | None = "m3.1-tiny", target: s
                    dtype: torch.dtype | str = torch.float32) -> tuple[Program, M3Config, CompileReport]:
     """Compile an M3 model: a preset name or config with random weights from `seed`, or a checkpoint.
 
-    `dtype` is the model's activation and dense-weight dtype (:data:`~m3c.model_defs.config.MODEL_DTYPES`): float32 (the default) gives the
-    reference model's tokens; bfloat16 is what the Hopper kernels are built for (the wgmma MegaMoE prefill takes
-    only bf16 activations). Returns ``(program, config, report)``; the config is the one compiled (options applied).
+    `dtype` is the model's activation and dense-weight dtype (:data:`~m3c.model_defs.config.MODEL_DTYPES`): float32
+    (the default) gives the reference model's tokens; bfloat16 is what the Hopper kernels are built for (the wgmma
+    MegaMoE prefill takes only bf16 activations). Returns ``(program, config, report)``; the config is the one
+    compiled (options applied).
     `cache` is True (``$M3C_CACHE_DIR`` / ``~/.cache/m3c``), a directory, a CompileCache, or
     False/None for no cache. `dump_ir_after` is a pass name, a list of them, or ``"all"``.
     """
@@ -304,8 +305,8 @@ def compile_preset(preset_or_cfg: str | M3Config | None = "m3.1-tiny", target: s
                             "weights": f"random, seed {seed}"}
         cfg = options.apply_to(cfg)
         if dtype != torch.float32:  # (float32 keeps the keys of artifacts cached before the option existed)
-            weights_key += f";dtype={str(dtype).removeprefix('torch.')}"
             created_from["dtype"] = str(dtype).removeprefix("torch.")
+            weights_key += f";dtype={created_from['dtype']}"
 
     def build() -> MiniMaxM3ForCausalLM:  # only when the cache cannot answer
         tensors = load_checkpoint(checkpoint)[1] if checkpoint is not None else None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from m3c.errors import ShapeError
-from m3c.model_defs.checkpoint import build_model, load_checkpoint, model_dtype
+from m3c.model_defs.checkpoint import build_model, load_checkpoint
 from m3c.model_defs.config import M3Config
 from m3c.model_defs.generate import GenerationResult, greedy_generate, make_cache
 from m3c.model_defs.kv_cache import indexer_bytes_per_token, kv_bytes_per_token
@@ -73,7 +73,7 @@ def run_reference(preset: str | M3Config | None = "m3.1-tiny", checkpoint: str |
         tensors = None
     if kv_cache_dtype:
         cfg = cfg.replace(kv_cache_dtype=kv_cache_dtype)
-    model = build_model(cfg, tensors, seed=seed, device=dev, dtype=model_dtype(dtype))
+    model = build_model(cfg, tensors, seed=seed, device=dev, dtype=dtype)  # (a dtype name is checked there)
     gen = torch.Generator().manual_seed(seed + 1)
     prompts = [torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
     cache = make_cache(cfg, prompt_tokens + decode_steps + 1, batch, device=dev)

@@ -268,11 +268,8 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
   const u32 base = smem_u32(smem);
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
-#if ROUTED_FP8 && LUT
-  __shared__ uint2 lut[256];  // (the first stage's __syncthreads orders these stores before any lookup)
-  if (F8)
-    for (int i = tid; i < 256; i += THREADS) lut[i] = e4m3_table_of(i, wdec);
-#endif
+  __shared__ uint2 lut[ROUTED_FP8 && LUT ? 256 : 1];
+  if (F8 && LUT) e4m3_lut_fill(lut, wdec, tid, THREADS);  // (the first stage's __syncthreads orders it)
 
   // This thread's copies, the same in every stage (only the K offset moves): 16-byte token chunks i = tid + THREADS q
   // (token n = (i / 2) % BT, chunk 2m + i % 2 with m = i / (2 BT): two neighbouring lanes read the two halves of one
@@ -354,12 +351,7 @@ __device__ __forceinline__ void mainloop(u8* smem, const u8* src, const long lon
       const uint4 c0 = *(const uint4*)(wb + lane * 16), c1 = *(const uint4*)(wb + 512 + lane * 16);
       const u32 sw = *(const u32*)(sb + lane * 8 + (s & 1) * 4);
       u32 tg[2][2], tg8[2][2];
-#if LUT
-      e4m3_tables_lut(lut, sw, tg, tg8);
-#else
-      e4m3_tables(hmul2(e4m3x2_lo(sw), wdec), tg[0], tg8[0]);
-      e4m3_tables(hmul2(e4m3x2_hi(sw), wdec), tg[1], tg8[1]);
-#endif
+      e4m3_stage_tables<LUT>(lut, sw, wdec, tg, tg8);
 #pragma unroll
       for (int t = 0; t < 4; ++t) {
         const u32 w0 = t == 0 ? c0.x : t == 1 ? c0.z : t == 2 ? c1.x : c1.z;

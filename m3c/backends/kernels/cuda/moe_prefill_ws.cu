@@ -127,10 +127,8 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   const u32 wdec = ((u32)(15 - wexp) << 10) * 0x10001u;  // the f16x2 pair 2^-wexp
-#if LUT
-  __shared__ uint2 lut[256];
-  for (int i = tid; i < 256; i += THREADS) lut[i] = e4m3_table_of(i, wdec);
-#endif
+  __shared__ uint2 lut[LUT ? 256 : 1];
+  if (LUT) e4m3_lut_fill(lut, wdec, tid, THREADS);
   __syncthreads();
   const u32 base = smem_u32(smem);
   const u32 abase = base, bbase = base + STAGES * A_BYTES, rbase = bbase + STAGES * B_BYTES;
@@ -199,12 +197,7 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
         const uint4 c1 = *(const uint4*)(raw + t * 1024 + 512 + lane * 16);
         const u32 sw = *(const u32*)(raw + RC_BYTES + t * 256 + lane * 8 + (s & 1) * 4);
         u32 tg[2][2], tg8[2][2];
-#if LUT
-        e4m3_tables_lut(lut, sw, tg, tg8);
-#else
-        e4m3_tables(hmul2(e4m3x2_lo(sw), wdec), tg[0], tg8[0]);
-        e4m3_tables(hmul2(e4m3x2_hi(sw), wdec), tg[1], tg8[1]);
-#endif
+        e4m3_stage_tables<LUT>(lut, sw, wdec, tg, tg8);
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const uint4 w = c ? c1 : c0;

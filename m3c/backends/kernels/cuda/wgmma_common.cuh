@@ -95,13 +95,25 @@ __device__ __forceinline__ uint2 e4m3_table_of(u32 b, u32 wdec) {
   e4m3_tables(hmul2(e4m3x2_lo(b * 0x0101u), wdec), tg, tg8);
   return make_uint2(tg[0], tg[1]);
 }
-// The four tables of a lane's scale word sw (bytes: rows g, g + 8 of one 64-K chunk, then of the next) from a
-// kernel's table of all 256 scale bytes (e4m3_table_of); the same tables as e4m3_tables makes from sw's halves.
-__device__ __forceinline__ void e4m3_tables_lut(const uint2* lut, u32 sw, u32 (&tg)[2][2], u32 (&tg8)[2][2]) {
+// A CTA's lookup table: the product table of each of the 256 scale bytes, made by `n` threads (this one: `tid`).
+// The caller orders these shared stores before the first lookup with a barrier.
+__device__ __forceinline__ void e4m3_lut_fill(uint2* lut, u32 wdec, int tid, int n) {
+  for (int i = tid; i < 256; i += n) lut[i] = e4m3_table_of(i, wdec);
+}
+// The four tables of a lane's scale word sw (bytes: rows g, g + 8 of one 64-K chunk, then of the next): looked up in
+// the CTA's table (FROM_LUT; e4m3_lut_fill), else made from sw's halves; the same tables either way.
+template <bool FROM_LUT>
+__device__ __forceinline__ void e4m3_stage_tables(const uint2* lut, u32 sw, u32 wdec, u32 (&tg)[2][2],
+                                                  u32 (&tg8)[2][2]) {
+  if (FROM_LUT) {
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const uint2 q = lut[(sw >> (16 * c)) & 0xFFu], q8 = lut[(sw >> (16 * c + 8)) & 0xFFu];
-    tg[c][0] = q.x, tg[c][1] = q.y, tg8[c][0] = q8.x, tg8[c][1] = q8.y;
+    for (int c = 0; c < 2; ++c) {
+      const uint2 q = lut[(sw >> (16 * c)) & 0xFFu], q8 = lut[(sw >> (16 * c + 8)) & 0xFFu];
+      tg[c][0] = q.x, tg[c][1] = q.y, tg8[c][0] = q8.x, tg8[c][1] = q8.y;
+    }
+  } else {
+    e4m3_tables(hmul2(e4m3x2_lo(sw), wdec), tg[0], tg8[0]);
+    e4m3_tables(hmul2(e4m3x2_hi(sw), wdec), tg[1], tg8[1]);
   }
 }
 // One lane's NVFP4 word of a 16-K step (nvfp4_frag's packing) -> E4M3 x 4 of row g (K e = 0..3, nibbles 0, 1, 4, 5)
