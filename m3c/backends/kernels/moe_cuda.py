@@ -21,13 +21,14 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
    never clips; the MMA's f32 result is scaled back); skipped when the caller passes them staged (step 0).
 2. ``moe_fc1``: CTAs over (shared expert | touched expert slot) x 128-row block x K split (routed: 2 NT when H
    allows; the shared expert's MXFP8 rows, twice the bytes, twice that); each copies its K range of the staged
-   tokens to shared memory (the shared expert's CTAs stage them from x themselves, so they need nothing of step 0
-   and run first), then every warp streams two 16-row tiles (the next 256-K super-chunk's 16-byte loads
-   in flight while one is decoded): h[ks, pair, row] = partial sums.
+   tokens that picked its expert to shared memory, compacted (they are its MMA columns: one 8-column tile when at
+   most 8 tokens picked it, else NT; the shared expert's CTAs take every token and stage them from x themselves, so
+   they need nothing of step 0 and run first), then every warp streams two 16-row tiles (the next 256-K
+   super-chunk's 16-byte loads in flight while one is decoded): h[ks, pair, row] = partial sums.
 3. ``moe_act``: act = SiLU(gate) * up from h's splits (rounded to bf16 as the reference's bf16 model does), staged
    like the tokens, one CTA per (token, expert) pair.
 4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
-   y[ks, pair, :].
+   y[ks, pair, :]; its columns compacted as FC1's.
 5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic).
 Touched experts are found on the device from topk_ids (the CTAs of unused slots exit at once). Steps 2-5 can be
 programmatic dependent launches (:data:`PDL`): each waits on its predecessor with ``griddepcontrol.wait`` before

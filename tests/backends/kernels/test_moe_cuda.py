@@ -278,6 +278,31 @@ def test_dependent_launches_match_plain_launches_and_graph_replays(t: int, share
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t, hot", [(16, 16), (12, 9), (16, 8), (5, 5)])
+def test_hot_expert_columns(t: int, hot: int) -> None:
+    """Each CTA runs only the tokens that picked its expert, as compacted MMA columns (one 8-column tile when at most
+    8 did, two when more): an expert picked by `hot` tokens (the first `hot` of them, slot 0), the other slots
+    distinct random experts, must match the reference routed the same way; unwritten outputs would stay NaN."""
+    moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    ids = torch.stack([torch.randperm(63, generator=gen)[:8] + 1 for _ in range(t)])  # experts 1..63
+    ids[:hot, 0] = 0  # expert 0: `hot` tokens
+    w = torch.rand(t, 8, generator=gen) + 0.1
+    ids, w = ids.cuda(), (w / w.sum(dim=1, keepdim=True)).cuda()
+    moe.route = lambda _x: (ids, w)
+    w13, w2, s13, s2 = mm.weights()
+    out = torch.full_like(x, float("nan"))
+    moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2, out=out)
+    truth = moe(x.float())
+    assert torch.isfinite(out).all()
+    err = float((out.float() - truth).norm() / truth.norm())
+    assert err < 1.5e-2, err
+    for n in (0, t - 1):  # per token too: a token dropped from its expert's columns would be far off
+        e_n = float((out[n].float() - truth[n]).norm() / truth[n].norm())
+        assert e_n < 3e-2, (n, e_n)
+
+
+@pytest.mark.gpu
 def test_moe_decode_mma_float32_tokens_and_large_activations() -> None:
     # tokens past f16's range (and FC1 outputs far past it): the per-row power-of-two staging must keep them
     moe, mm, x, ids, w = _case(4, 1024, 256, 16, 4, "mxfp8", torch.float32, x_scale=3e5)

@@ -26,9 +26,10 @@
 #define NATURAL 0  // 1: the routed NVFP4 experts in the checkpoint's own layout (no prepacked copy)
 #endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
-// FC1 / FC2 launch bounds: NATURAL's decode would take 130 registers at NT 1, i.e. 3 CTAs an SM instead of the
-// prepacked stream's 4, so it asks for 4 (the prepacked kernels keep their measured build)
-#if NATURAL && NT == 1
+// FC1 / FC2 launch bounds: at NT 1 both ask for 4 CTAs an SM (128 registers: left to itself, ptxas gives FC2 129
+// and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31 spilled words,
+// and T = 16 measured the same, benchmarks/RESULTS.md session 21)
+#if NT == 1
 #define FC_BOUNDS __launch_bounds__(WARPS * 32, 4)
 #else
 #define FC_BOUNDS __launch_bounds__(WARPS * 32)
@@ -216,8 +217,10 @@ __device__ bool find_block(Block& b, int item, const long long* ids, int n_ids, 
   return b.expert >= 0;
 }
 
-// Pair index (row of h / y) of token n for this block: routed -> n * topk + slot or -1, shared -> T * topk + n.
-__device__ void find_pairs(int* pair, const long long* ids, int T, int topk, int expert) {
+// The tokens this block works on, compacted: pair[n] = the row of h / y of token n (routed: n * topk + slot or -1;
+// shared: T * topk + n), tok[c] = the c-th token with a pair (in token order), *cnt their number. The MMA's columns
+// are c < cnt, so a routed expert that 3 of 16 tokens picked runs one 8-column tile and stages 3 rows, not 16.
+__device__ void find_tokens(int* pair, int* tok, int* cnt, const long long* ids, int T, int topk, int expert) {
   for (int n = threadIdx.x; n < T; n += blockDim.x) {
     int p = -1;
     if (expert < 0) {
@@ -229,30 +232,51 @@ __device__ void find_pairs(int* pair, const long long* ids, int T, int topk, int
     pair[n] = p;
   }
   __syncthreads();
+  if (threadIdx.x < 32) {  // T <= 32: one warp compacts by ballot
+    const int n = threadIdx.x;
+    const bool has = n < T && pair[n] >= 0;
+    const u32 mask = __ballot_sync(0xffffffffu, has);
+    if (has) tok[__popc(mask & ((1u << n) - 1u))] = n;
+    if (n == 0) *cnt = __popc(mask);
+  }
+  __syncthreads();
 }
 
-// Copy rows src[row(n)][k0 : k0 + Kc] (f16, row stride ld) of the tokens n < T with row(n) >= 0 into xs (row
-// stride Kc + 4) and their up-scales into mult[n].
-__device__ void stage_rows(const u16* src, const float* src_mult, const int* rowof, int T, long ld, int k0, int Kc,
+// Copy rows src[rowof[c]][k0 : k0 + Kc] (f16, row stride ld) for the columns c < cnt into xs (row stride Kc + 4) and
+// their up-scales into mult[c]: 16-byte pieces, four loads a thread in flight before their stores.
+__device__ void stage_rows(const u16* src, const float* src_mult, const int* rowof, int cnt, long ld, int k0, int Kc,
                            u16* xs, float* mult) {
-  const int vec = Kc / 8;
-  for (int i = threadIdx.x; i < T * vec; i += blockDim.x) {
-    const int n = i / vec, v = i - n * vec;
-    const int r = rowof[n];
-    if (r < 0) continue;
-    const uint4 d = *(const uint4*)(src + r * ld + k0 + 8 * v);
-    uint2* dst = (uint2*)(xs + (long)n * (Kc + 4) + 8 * v);
-    dst[0] = make_uint2(d.x, d.y);
-    dst[1] = make_uint2(d.z, d.w);
+  const int vec = Kc / 8, total = cnt * vec, step = blockDim.x;
+  int c = threadIdx.x / vec, v = threadIdx.x - c * vec;  // piece i = c vec + v, advanced by `step` incrementally
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * step) {
+    uint4 d[4];
+    int dst[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      dst[u] = -1;
+      if (i0 + u * step < total) {
+        d[u] = *(const uint4*)(src + rowof[c] * ld + k0 + 8 * v);
+        dst[u] = c * (Kc + 4) + 8 * v;
+      }
+      for (v += step; v >= vec; v -= vec) ++c;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (dst[u] >= 0) {
+        uint2* o = (uint2*)(xs + dst[u]);
+        o[0] = make_uint2(d[u].x, d[u].y);
+        o[1] = make_uint2(d[u].z, d[u].w);
+      }
+    }
   }
-  for (int n = threadIdx.x; n < T; n += blockDim.x) mult[n] = rowof[n] >= 0 ? src_mult[rowof[n]] : 0.f;
+  for (int i = threadIdx.x; i < cnt; i += blockDim.x) mult[i] = src_mult[rowof[i]];
   __syncthreads();
 }
 
 // Stage the tokens straight from x (FC1's shared-expert items, before grid_wait(); bitwise what moe_stage_x and
 // moe_route_stage write: the max is exact, the scaling by 2^-e too): xs[n, :Kc] = f16(x[n, k0 : k0 + Kc] 2^-e(n)),
-// mult[n] = 2^e(n) for every token n < T (H % 128 == 0).
-__device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* xs, float* mult, float* tmax) {
+// mult[n] = 2^e(n) for every token n < T (H % 128 == 0). `down` holds T floats of scratch.
+__device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* xs, float* mult, float* down) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   for (int n = warp; n < T; n += WARPS) {  // a warp per token: its largest magnitude over all of H
     float m = 0.f;
@@ -261,44 +285,62 @@ __device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* x
       m = amax4(m, load_act4(x, (long)n * H + k));
     }
     for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) tmax[n] = m;
+    if (lane == 0) {
+      float dn, up;
+      pow2_scale(m, dn, up);
+      down[n] = dn;
+      mult[n] = up;
+    }
   }
   __syncthreads();
-  const int quads = Kc / 4;
-  for (int i = threadIdx.x; i < T * quads; i += blockDim.x) {
-    const int n = i / quads, k = 4 * (i - n * quads);
-    float down, up;
-    pow2_scale(tmax[n], down, up);
-    const float4 v = load_act4(x, (long)n * H + k0 + k);
-    *(uint2*)(xs + (long)n * (Kc + 4) + k) =
-        make_uint2(f32x2_to_f16x2(v.x * down, v.y * down), f32x2_to_f16x2(v.z * down, v.w * down));
-  }
-  for (int n = threadIdx.x; n < T; n += blockDim.x) {
-    float down, up;
-    pow2_scale(tmax[n], down, up);
-    mult[n] = up;
+  const int quads = Kc / 4, total = T * quads, step = blockDim.x;
+  int n = threadIdx.x / quads, q = threadIdx.x - n * quads;
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * step) {
+    float4 v[4];
+    int dst[4], row[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      dst[u] = -1;
+      if (i0 + u * step < total) {
+        v[u] = load_act4(x, (long)n * H + k0 + 4 * q);
+        dst[u] = n * (Kc + 4) + 4 * q;
+        row[u] = n;
+      }
+      for (q += step; q >= quads; q -= quads) ++n;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (dst[u] >= 0) {
+        const float dn = down[row[u]];
+        *(uint2*)(xs + dst[u]) = make_uint2(f32x2_to_f16x2(v[u].x * dn, v[u].y * dn),
+                                            f32x2_to_f16x2(v[u].z * dn, v[u].w * dn));
+      }
+    }
   }
   __syncthreads();
 }
 
-// The B fragments (activations, f16 pairs) of one 16-K MMA step for each 8-token tile: xrow[nt] + k holds the lane's
-// four K values (the layouts put them next to each other).
-__device__ __forceinline__ void load_b(u32 (&b)[NT][2], const u16* const (&xrow)[NT], int k) {
+// The B fragments (activations, f16 pairs) of one 16-K MMA step for each of the N 8-column tiles: xrow[nt] + k holds
+// the lane's four K values (the layouts put them next to each other).
+template <int N>
+__device__ __forceinline__ void load_b(u32 (&b)[N][2], const u16* const (&xrow)[N], int k) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
+  for (int nt = 0; nt < N; ++nt) {
     const uint2 v = *(const uint2*)(xrow[nt] + k);
     b[nt][0] = v.x;
     b[nt][1] = v.y;
   }
 }
 
-// Row pointers into the staged activations for the lane's token columns (tokens past T read row T - 1; their
+// Row pointers into the staged activations for the lane's columns (columns past cnt read column cnt - 1; their
 // results are never stored), offset by the lane's K position `k_lane`.
-__device__ __forceinline__ void token_rows(const u16* (&xrow)[NT], const u16* xs, int Kc, int T, int k_lane) {
+template <int N>
+__device__ __forceinline__ void token_rows(const u16* (&xrow)[N], const u16* xs, int Kc, int cnt, int k_lane) {
   const int g = (threadIdx.x & 31) >> 2;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) xrow[nt] = xs + (long)min(g + 8 * nt, T - 1) * (Kc + 4) + k_lane;
+  for (int nt = 0; nt < N; ++nt) xrow[nt] = xs + (long)min(g + 8 * nt, cnt - 1) * (Kc + 4) + k_lane;
 }
+
 
 // One super-chunk (256 K) of NVFP4 codes / scales for the warp's tiles: [tile][super-chunk][chunk][lane][16 B]
 // codes, [tile][super-chunk][lane][8 B] scales.
@@ -312,8 +354,9 @@ __device__ __forceinline__ void load_nvfp4(uint4 (&cb)[ROWT][4], uint2 (&sb)[ROW
   }
 }
 
+template <int N>
 __device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint2 (&sb)[ROWT], int sc,
-                                          const u16* const (&xrow)[NT], float (*acc)[NT][4]) {
+                                          const u16* const (&xrow)[N], float (*acc)[N][4]) {
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     u32 sg[ROWT], sg8[ROWT];
@@ -326,15 +369,15 @@ __device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int k = (sc * 4 + c) * 64 + 4 * s;
-      u32 b[NT][2];
-      load_b(b, xrow, k);
+      u32 b[N][2];
+      load_b<N>(b, xrow, k);
 #pragma unroll
       for (int t = 0; t < ROWT; ++t) {
         u32 w = s == 0 ? cb[t][c].x : s == 1 ? cb[t][c].y : s == 2 ? cb[t][c].z : cb[t][c].w;
         u32 a[4];
         decode_nvfp4(w, sg[t], sg8[t], a);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma(acc[t][nt], a[0], a[1], a[2], a[3], b[nt][0], b[nt][1]);
+        for (int nt = 0; nt < N; ++nt) mma(acc[t][nt], a[0], a[1], a[2], a[3], b[nt][0], b[nt][1]);
       }
     }
   }
@@ -348,9 +391,10 @@ struct Nvfp4Stream {  // a warp's NVFP4 tiles for one K split: the lane's codes 
   __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
     load_nvfp4(c, s, code, scale, tile_bytes, tile_sbytes, sc);
   }
+  template <int N>
   __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
-                                      const u16* const (&xrow)[NT], float (*acc)[NT][4]) const {
-    mma_nvfp4(c, s, sc, xrow, acc);
+                                      const u16* const (&xrow)[N], float (*acc)[N][4]) const {
+    mma_nvfp4<N>(c, s, sc, xrow, acc);
   }
 };
 
@@ -379,8 +423,9 @@ struct Nvfp4NaturalStream {
       s[t] = make_uint2(sw[0] | (sw[1] << 16), sw[2] | (sw[3] << 16));  // row g: pieces 0, 1 | row g + 8
     }
   }
+  template <int N>
   __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
-                                      const u16* const (&xrow)[NT], float (*acc)[NT][4]) const {
+                                      const u16* const (&xrow)[N], float (*acc)[N][4]) const {
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
 #pragma unroll
@@ -396,14 +441,14 @@ struct Nvfp4NaturalStream {
         }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          u32 b[NT][2];
-          load_b(b, xrow, sc * 256 + 128 * q + 8 * w + 4 * e);
+          u32 b[N][2];
+          load_b<N>(b, xrow, sc * 256 + 128 * q + 8 * w + 4 * e);
 #pragma unroll
           for (int t = 0; t < ROWT; ++t) {
             const u32 a0 = hmul2(pg[t][2 * e], sg[t]), a1 = hmul2(pg8[t][2 * e], sg8[t]);
             const u32 a2 = hmul2(pg[t][2 * e + 1], sg[t]), a3 = hmul2(pg8[t][2 * e + 1], sg8[t]);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) ::mma(acc[t][nt], a0, a1, a2, a3, b[nt][0], b[nt][1]);
+            for (int nt = 0; nt < N; ++nt) ::mma(acc[t][nt], a0, a1, a2, a3, b[nt][0], b[nt][1]);
           }
         }
       }
@@ -424,13 +469,14 @@ __device__ __forceinline__ void load_mxfp8(uint4 (&cw)[ROWT][4], uint2 (&sw)[ROW
   }
 }
 
+template <int N>
 __device__ __forceinline__ void mma_mxfp8(const uint4 (&cw)[ROWT][4], const uint2 (&sw)[ROWT], int sc,
-                                          const u16* const (&xrow)[NT], float (*acc)[NT][4]) {
+                                          const u16* const (&xrow)[N], float (*acc)[N][4]) {
 #pragma unroll
   for (int q = 0; q < 8; ++q) {  // 8 steps of 16 K: step q lane j covers k = 16 q + 4 j + 0..3 (one E8M0 group)
     const int k = sc * 128 + q * 16;
-    u32 b[NT][2];
-    load_b(b, xrow, k);
+    u32 b[N][2];
+    load_b<N>(b, xrow, k);
 #pragma unroll
     for (int t = 0; t < ROWT; ++t) {
       const uint4 v = cw[t][q >> 1];
@@ -439,7 +485,7 @@ __device__ __forceinline__ void mma_mxfp8(const uint4 (&cw)[ROWT][4], const uint
       float sg8 = e8m0_float((sw[t].y >> (8 * (q >> 1))) & 0xFFu);
       u32 a0 = e4m3x2_lo(w0), a1 = e4m3x2_hi(w0), a2 = e4m3x2_lo(w1), a3 = e4m3x2_hi(w1);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
+      for (int nt = 0; nt < N; ++nt) {
         float d[4] = {0.f, 0.f, 0.f, 0.f};
         mma(d, a0, a1, a2, a3, b[nt][0], b[nt][1]);
         acc[t][nt][0] += sg * d[0];
@@ -460,28 +506,30 @@ struct Mxfp8Stream {  // a warp's MXFP8 tiles for one K split (scales: row g's, 
   __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
     load_mxfp8(c, s, code, scale, tile_bytes, tile_sbytes, srow, sc);
   }
+  template <int N>
   __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
-                                      const u16* const (&xrow)[NT], float (*acc)[NT][4]) const {
-    mma_mxfp8(c, s, sc, xrow, acc);
+                                      const u16* const (&xrow)[N], float (*acc)[N][4]) const {
+    mma_mxfp8<N>(c, s, sc, xrow, acc);
   }
 };
 
 // acc[t][nt][4] += W[tile rows] . xs over this warp's K range of nsc super-chunks (64 code bytes a lane and tile
 // each), two register buffers: the next super-chunk's loads are in flight while one is decoded. (A third buffer
-// measured slower on the H200: 158 registers, 3 CTAs per SM.)
-template <class Stream>
-__device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int T, float (*acc)[NT][4]) {
-  const u16* xrow[NT];
-  token_rows(xrow, xs, Kc, T, Stream::k_lane * (threadIdx.x & 3));
+// measured slower on the H200: 158 registers, 3 CTAs per SM; so did asking L2 for the super-chunk 4 ahead, 10-20%:
+// benchmarks/RESULTS.md, session 21.)
+template <int N, class Stream>
+__device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4]) {
+  const u16* xrow[N];
+  token_rows<N>(xrow, xs, Kc, cnt, Stream::k_lane * (threadIdx.x & 3));
   uint4 ca[ROWT][4], cb[ROWT][4];
   uint2 sa[ROWT], sb[ROWT];
   w.load(ca, sa, 0);
   for (int sc = 0; sc < nsc; sc += 2) {
     if (sc + 1 < nsc) w.load(cb, sb, sc + 1);
-    w.mma(ca, sa, sc, xrow, acc);
+    w.template mma<N>(ca, sa, sc, xrow, acc);
     if (sc + 1 >= nsc) break;
     if (sc + 2 < nsc) w.load(ca, sa, sc + 2);
-    w.mma(cb, sb, sc + 1, xrow, acc);
+    w.template mma<N>(cb, sb, sc + 1, xrow, acc);
   }
 }
 
@@ -506,18 +554,27 @@ __device__ __forceinline__ void prefetch_first(const Block& b, int rows_total, i
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + t * tb + lane * 64));  // 2 KB: the first super-chunk
 }
 
-// The warp's two row tiles over this block's K range, then (after grid_wait(): FC1's shared-expert items reach it
-// first here) out[p, row] = acc * 2^e * row factor * weight.
-__device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, const u16* xs, const float* mult,
-                          const int* pair, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode,
+// What a block's MMA columns are: column c < cnt is token tok[c], whose h / y row is pair[tok[c]].
+struct Cols {
+  const int* pair;
+  const int* tok;
+  int cnt;
+};
+
+// The warp's two row tiles over this block's K range with N 8-column tiles (cnt <= 8 N), then (after grid_wait():
+// FC1's shared-expert items reach it first here) out[p, row] = acc * 2^e * row factor * weight.
+template <int N>
+__device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K, int Kc, const Cols& cols, const u16* xs,
+                          const float* mult, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode,
                           const u8* sscale, const float* wts, float* out, long out_stride) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
   const int row = b.row0 + warp * 32;  // first row of the warp's tiles
-  float acc[ROWT][NT][4];
+  const int cnt = cols.cnt;
+  float acc[ROWT][N][4];
 #pragma unroll
   for (int t = 0; t < ROWT; ++t)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < N; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.f;
   const long tile = (long)row / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
@@ -525,17 +582,17 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
     const long r0 = (long)b.expert * rows_total + row + g;
     const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;
     const u8* s = rscale + r0 * (K / 16) + (long)b.ks * Kc / 16 + 2 * j;
-    gemv(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, T, acc);
+    gemv<N>(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, cnt, acc);
   } else if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
     const long tb = (long)K * 8, tsb = (long)K;
     const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
     const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
-    gemv(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, T, acc);
+    gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc);
   } else {              // prepacked codes (16 rows x K bytes a tile), scales in their natural [rows, K / 32] layout
     const long tb = (long)K * 16, tsb = (long)K * 16 / 32;
     const u8* c = scode + tile * tb + (long)b.ks * Kc * 16 + lane * 16;
     const u8* s = sscale + (long)(row + g) * (K / 32) + (long)b.ks * Kc / 32;
-    gemv(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, T, acc);
+    gemv<N>(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, cnt, acc);
   }
   grid_wait();
 #pragma unroll
@@ -545,20 +602,35 @@ __device__ void run_tiles(const Block& b, int rows_total, int K, int Kc, int T, 
       const int r = row + 16 * t + g + (i >= 2 ? 8 : 0);
       const float f = b.expert >= 0 ? rrow[(long)b.expert * rows_total + r] : 1.f;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int n = 8 * nt + 2 * j + (i & 1);
-        if (n < T) {
-          const int p = pair[n];
-          if (p >= 0) out[(long)p * out_stride + r] = acc[t][nt][i] * mult[n] * f * (wts ? wts[p] : 1.f);
+      for (int nt = 0; nt < N; ++nt) {
+        const int c = 8 * nt + 2 * j + (i & 1);
+        if (c < cnt) {
+          const int p = cols.pair[cols.tok[c]];
+          out[(long)p * out_stride + r] = acc[t][nt][i] * mult[c] * f * (wts ? wts[p] : 1.f);
         }
       }
     }
   }
 }
 
+// run_tiles with the fewest 8-column tiles that hold the block's cnt columns (1 or NT).
+__device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
+                                         const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
+                                         const float* rrow, const u8* scode, const u8* sscale, const float* wts,
+                                         float* out, long out_stride) {
+#if NT > 1
+  if (cols.cnt > 8) {
+    run_tiles<NT>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride);
+    return;
+  }
+#endif
+  run_tiles<1>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride);
+}
+
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
 // expert's items come first in the grid and run their GEMV before grid_wait() (during the routing launch), staging
-// the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens).
+// the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens) and stage
+// only the tokens that picked their expert.
 extern "C" __global__ void FC1_BOUNDS
 moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode,
@@ -566,8 +638,8 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
         void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32];
-  __shared__ float mult[MAXT], tmax[MAXT];
-  __shared__ int pair[MAXT], rowof[MAXT];
+  __shared__ float mult[MAXT], down[MAXT];
+  __shared__ int pair[MAXT], tok[MAXT], cnt;
   grid_launch_dependents();  // moe_act waits for all of FC1
   const int shared_items = srows / (32 * WARPS) * KSs, routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
   const bool shared = (int)blockIdx.x < shared_items;
@@ -575,23 +647,21 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
   if (!shared) grid_wait();
   Block b;
   if (!find_block(b, item, ids, T * topk, E, n_slots, rows, srows, KSr, KSs, flags)) return;
-  find_pairs(pair, ids, T, topk, b.expert);
   const int Kc = H / b.KS;
   prefetch_first(b, b.expert >= 0 ? rows : srows, H, Kc, rcode, scode);
+  find_tokens(pair, tok, &cnt, ids, T, topk, b.expert);
   u16* xs = (u16*)smem;
-  if (shared) {
-    stage_direct(x, T, H, b.ks * Kc, Kc, xs, mult, tmax);
+  if (shared) {  // every token: column c is token c
+    stage_direct(x, T, H, b.ks * Kc, Kc, xs, mult, down);
   } else {
-    for (int n = threadIdx.x; n < T; n += blockDim.x) rowof[n] = n;
-    __syncthreads();
-    stage_rows(x16, xmult, rowof, T, H, b.ks * Kc, Kc, xs, mult);
+    stage_rows(x16, xmult, tok, cnt, H, b.ks * Kc, Kc, xs, mult);
   }
-  run_tiles(b, b.expert >= 0 ? rows : srows, H, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, nullptr,
-            h + (long)b.ks * P * ROWS, ROWS);
+  run_cols(b, b.expert >= 0 ? rows : srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode,
+           sscale, nullptr, h + (long)b.ks * P * ROWS, ROWS);
 }
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs). Before
-// grid_wait(): its expert, pairs and the L2 prefetch (the routing finished before FC1 passed its wait).
+// grid_wait(): its expert, tokens and the L2 prefetch (the routing finished before FC1 passed its wait).
 extern "C" __global__ void FC_BOUNDS
 moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
@@ -599,18 +669,20 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32];
   __shared__ float mult[MAXT];
-  __shared__ int pair[MAXT];
+  __shared__ int pair[MAXT], tok[MAXT], rowof[MAXT], cnt;
   Block b;
   if (!find_block(b, blockIdx.x, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
-  find_pairs(pair, ids, T, topk, b.expert);
   const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
   prefetch_first(b, H, K, Kc, rcode, scode);
+  find_tokens(pair, tok, &cnt, ids, T, topk, b.expert);
+  for (int c = threadIdx.x; c < cnt; c += blockDim.x) rowof[c] = pair[tok[c]];
+  __syncthreads();
   grid_wait();
   grid_launch_dependents();
   u16* xs = (u16*)smem;
-  stage_rows(act16, amult, pair, T, ROWS / 2, b.ks * Kc, Kc, xs, mult);
-  run_tiles(b, H, K, Kc, T, xs, mult, pair, rcode, rscale, rrow, scode, sscale, b.expert >= 0 ? wts : nullptr,
-            y + (long)b.ks * P * H, H);
+  stage_rows(act16, amult, rowof, cnt, ROWS / 2, b.ks * Kc, Kc, xs, mult);
+  run_cols(b, H, K, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode, sscale,
+           b.expert >= 0 ? wts : nullptr, y + (long)b.ks * P * H, H);
 }
 
 // out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits). A
