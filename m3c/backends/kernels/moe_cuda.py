@@ -177,7 +177,7 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
     return (spec("moe_stage_x", "*x H *x16 *xmult", 8),
             spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "
                  "KSr KSs *h P ROWS", warps, _fc1_smem(hidden, shared_inter, nt)),
-            spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 8),
+            spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 16),
             spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
                  "ROWS *y", warps, _fc2_smem(inter, shared_inter, nt)),
             spec("moe_combine", "*y *ids E T topk KSs P H *out", 8))

@@ -128,12 +128,14 @@ __device__ __forceinline__ void act_pair(const float* hp, long split, int K, int
   }
 }
 
+#define ACT_THREADS 512  // moe_act's CTA: K <= 4096 is four value pairs a thread
+
 // One pair's activations: every load issued up front (addresses clamped inside the row, values masked after).
 template <int SPL>
-__device__ void act_row(const float* hp, long split, int K, float (&v)[16], float& m) {
+__device__ void act_row(const float* hp, long split, int K, float (&v)[8], float& m) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int k = 2 * (threadIdx.x + 256 * i);
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * (threadIdx.x + ACT_THREADS * i);
     act_pair<SPL>(hp, split, K, min(k, K - 2), v + 2 * i);
     if (k >= K) v[2 * i] = v[2 * i + 1] = 0.f;
     m = fmaxf(m, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
@@ -142,18 +144,19 @@ __device__ void act_row(const float* hp, long split, int K, float (&v)[16], floa
 
 // act16[p, :K] = f16(SiLU(gate) * up * 2^-e(p)), amult[p] = 2^e(p), gate / up summed over FC1's K splits of pair p
 // (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits 1, 2, 4 or 8).
-// One CTA per pair; each thread keeps its (<= 8) value pairs in registers.
-extern "C" __global__ void __launch_bounds__(256)
+// One CTA of 512 threads per pair; each thread keeps its (<= 4) value pairs in registers (with 256 threads and 8
+// pairs a thread, T = 16 took 12 us: benchmarks/RESULTS.md, session 21).
+extern "C" __global__ void __launch_bounds__(ACT_THREADS)
 moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int I, int S, u16* act16,
         float* amult, void* scratch0, void* scratch1) {
-  __shared__ float red[8];
+  __shared__ float red[ACT_THREADS / 32];
   grid_wait();
   grid_launch_dependents();  // after the wait: FC2 reads the routing before its own (see the top of the file)
   const int p = blockIdx.x;
   const int K = p < routed_pairs ? I : S, splits = p < routed_pairs ? KSr : KSs;
   const long split = (long)P * ROWS;
   const float* hp = h + (long)p * ROWS;
-  float v[16];
+  float v[8];
   float m = 0.f;
   switch (splits) {
     case 1: act_row<1>(hp, split, K, v, m); break;
@@ -164,8 +167,8 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
   float down, up;
   pow2_scale(block_max(m, red), down, up);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int k = 2 * (threadIdx.x + 256 * i);
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * (threadIdx.x + ACT_THREADS * i);
     if (k < K) *(u32*)(act16 + (long)p * ROWS / 2 + k) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
   }
   if (threadIdx.x == 0) amult[p] = up;
@@ -687,6 +690,8 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
 
 // out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits). A
 // routed id outside [0, E) (what NaN router logits select) had no CTA write its row: the token's output is NaN.
+// Each thread issues its column's loads 8 rows at a time before summing them in order (a load per add, one after the
+// other, took 15.7 us at T = 16: benchmarks/RESULTS.md, session 21).
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KSs, int P, int H, void* out,
             void* scratch0, void* scratch1) {
@@ -694,11 +699,25 @@ moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KS
   grid_launch_dependents();
   const int n = blockIdx.y;
   bool valid = true;
-  for (int k = 0; k < topk; ++k) valid = valid && ids[n * topk + k] >= 0 && ids[n * topk + k] < E;
+  for (int k = 0; k < topk; ++k) {  // no short-circuit: the id loads need not wait on each other
+    const long long e = ids[n * topk + k];
+    valid &= e >= 0 && e < E;
+  }
   for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256) {
     float s = valid ? 0.f : __uint_as_float(0x7FC00000u);
-    for (int k = 0; k < topk && valid; ++k) s += y[(long)(n * topk + k) * H + c];
-    for (int k = 0; k < KSs; ++k) s += y[((long)k * P + T * topk + n) * H + c];
+    const int rows = (valid ? topk : 0) + KSs;  // routed rows n topk + k, then the shared splits' rows
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int r = r0 + u, k = r - (valid ? topk : 0);
+        const long row = k < 0 ? (long)n * topk + r : (long)k * P + T * topk + n;
+        v[u] = r < rows ? y[row * H + c] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (r0 + u < rows) s += v[u];
+    }
 #if ACT_BF16
     ((u16*)out)[(long)n * H + c] = bf16_bits(s);
 #else
