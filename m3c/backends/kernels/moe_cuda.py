@@ -397,6 +397,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
     ks1, ks1s, ks2s = _splits(hidden, s, nt)
+    if not {ks1, ks1s} <= {1, 2, 4, 8}:  # moe_act sums FC1's splits by templates for these counts only
+        raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
     n_slots = min(e, t * top_k)
     routed_pairs = t * top_k
     pairs = routed_pairs + (t if shared else 0)

@@ -212,6 +212,28 @@ def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPa
                                 runner=lambda *a: None)
 
 
+def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moe_act sums FC1's K splits by templates for 1, 2, 4 and 8 splits (another count would read other splits'
+    rows as its own): a split table giving 3 / 6 is refused before any launch, the default one launches."""
+    from m3c.errors import ConfigError
+
+    h, inter, e, k, t = 768, 256, 8, 2, 3
+    w13, w2, s13, s2 = nvfp4(e, 2 * inter, h, **_CPU), nvfp4(e, h, inter, **_CPU), None, None
+    x, ids, wts = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, k, dtype=torch.int64), torch.zeros(t, k)
+    monkeypatch.setattr(moe_cuda, "NATURAL", True)  # no prepacked copy of the (uninitialized) weights
+    seen: list = []
+    moe_cuda.moe_decode_mma(x, ids, wts, w13, w2, s13, s2, runner=lambda sp, grid, args: seen.append(sp.kernel))
+    assert "moe_act" in seen
+    monkeypatch.setattr(moe_cuda, "_splits", lambda *_: (3, 6, 2))
+    seen.clear()
+    with pytest.raises(ConfigError, match="1, 2, 4 or 8"):
+        moe_cuda.moe_decode_mma(x, ids, wts, w13, w2, s13, s2, runner=lambda sp, grid, args: seen.append(sp.kernel))
+    assert not seen
+
+
+_CPU = {"device": "cpu"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode", [0, 1])
 @pytest.mark.parametrize("t", [1, 3, 8, 13, 16])

@@ -1,0 +1,87 @@
+"""Benchmark: the CUDA C++ MegaMoE decode's K splits (moe_cuda._splits), m3.1-small, one run.
+
+The decode kernels split K so each FC1 CTA streams a shorter range: routed FC1 2 NT splits, the shared expert twice
+that, shared FC2 2. This times the expert launches (CUDA graphs, precomputed routing) for other choices side by side
+with the default, each CTA count against the H200's 132 SMs x 4 CTAs, and checks each output against the reference
+(a different split sums in another order: not bitwise; FC1 splits other than 1, 2, 4, 8 are refused). Usage (H200):
+    PYTHONPATH=. python benchmarks/bench_moe_splits.py [--tokens 1,4,16] [--splits 2,4,2 1,2,2 3,6,2 4,8,2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from _timing import bench_graph, record_point, write_results
+
+from m3c.backends.kernels import moe_cuda
+from m3c.backends.kernels.moe_routing import fused_route
+from m3c.fused.moe import MegaMoE, random_moe
+
+READ_BW = 4.28e12
+H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
+
+
+def _fixed(ks: tuple[int, int, int]):
+    return lambda *_: ks
+
+
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, splits: list[tuple[int, int, int]]) -> list[dict]:
+    """One T: every split setting's time and error."""
+    x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
+    cfg = moe.cfg
+    w13, w2, s13, s2 = mm.weights()
+    ids, w, _ = fused_route(F.linear(x.float(), mm.gate_w32), mm.bias, top_k=K,
+                            routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
+    touched = int(torch.unique(ids).numel())
+    floor_ms = (touched * 3 * H * INTER * 0.5625 + 3 * H * S * 1.03125) / READ_BW * 1e3
+    truth = moe(x.float())
+    default = moe_cuda._splits
+    rows = []
+    try:
+        for ks in splits:
+            moe_cuda._splits = _fixed(ks) if ks else default
+            moe_cuda._mma_specs.cache_clear()  # its shared-memory sizes follow the splits
+            out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
+            ms = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2))
+            r1, r1s, r2s = ks or default(H, S, 1 if t <= 8 else 2)
+            row = {"T": t, "experts": touched, "splits": [r1, r1s, r2s], "floor_ms": floor_ms, "ms": ms,
+                   "fc1_ctas": touched * 2 * INTER // 128 * r1 + 2 * S // 128 * r1s,
+                   "fc2_ctas": touched * H // 128 + H // 128 * r2s, "bw_fraction": floor_ms / ms,
+                   "err": float((out.float() - truth).norm() / truth.norm())}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        moe_cuda._splits = default
+        moe_cuda._mma_specs.cache_clear()
+    return rows
+
+
+def main() -> None:
+    """Every T and split; JSON and a short table."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--splits", nargs="+", default=["default", "1,2,2", "2,4,2", "4,8,2", "2,4,1"],
+                    help="FC1 routed, FC1 shared, FC2 shared K splits (or default)")
+    args = ap.parse_args()
+    splits = [None if s == "default" else tuple(int(v) for v in s.split(",")) for s in args.splits]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
+    mm = MegaMoE.from_reference(moe)
+    rows: list[dict] = []
+    for t in (int(v) for v in args.tokens.split(",")):
+        record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, gen, splits))
+    write_results("moe_splits", rows, shape=[H, INTER, E, K, S])
+    print(f"\n{'T':>3} {'exp':>4} {'splits':>8} {'fc1 CTAs':>8} {'fc2 CTAs':>8} {'µs':>8} {'%bw':>5} {'err':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['T']:>3} {r['error']}")
+            continue
+        print(f"{r['T']:>3} {r['experts']:>4} {','.join(map(str, r['splits'])):>8} {r['fc1_ctas']:>8} "
+              f"{r['fc2_ctas']:>8} {r['ms'] * 1e3:>7.1f}u {100 * r['bw_fraction']:>5.1f} {r['err']:>8.1e}")
+
+
+if __name__ == "__main__":
+    main()
