@@ -70,7 +70,8 @@ ROUTE_MAX_EXPERTS = 256  # 32 x ESLOTS experts per routing warp (8 registers of 
 ROUTE_MAX_TOPK = 64  # the routing kernel's per-warp selection buffers
 _ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (132 SMs), all resident at once
 WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supported assume it
-MAX_TOKENS = 16  # 1..8 tokens: one 8-column MMA tile (NT = 1); 9..16: two (NT = 2)
+MAX_TOKENS = 16  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
+# more than 8 of the tokens picked its expert, else one)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -87,7 +88,8 @@ benchmarks/RESULTS.md session 18): T = 16 2.2-2.5% faster, T = 4 ~1.5% (inside t
 ~5 us slower (cause not measured), so only the two-tile (T > 8) build uses it."""
 FC1_MIN_CTAS: dict[int, int] = {2: 4}
 """Per NT, FC1 CTAs an SM the compiler must fit (``__launch_bounds__`` minimum; left to itself it takes 167 registers
-at NT = 2, i.e. 3 CTAs an SM). Forcing 4 at NT = 2 (128 registers, 3 spilled words) made FC1 10.5% faster at T = 16,
+at NT = 2, i.e. 3 CTAs an SM). Forcing 4 at NT = 2 (128 registers, 3 spilled words then; 4 since session 21's
+one- or two-tile choice per CTA) made FC1 10.5% faster at T = 16,
 8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output; benchmarks/RESULTS.md session 18)."""
 _ROWS_PER_CTA = 32 * WARPS
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
@@ -374,6 +376,9 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     s = shared_w13.data.shape[0] // 2 if shared else 0
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
     nt = _nt(t)
+    ks1, ks1s, ks2s = _splits(hidden, s, nt)
+    if not {ks1, ks1s} <= {1, 2, 4, 8}:  # moe_act sums FC1's splits by templates for these counts only
+        raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
     stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt)
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
     if x.is_cuda and torch.cuda.is_current_stream_capturing() and not is_prepacked(*packed):
@@ -396,9 +401,6 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         sc13 = sc2 = ss13 = ss2 = c13[0]
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
-    ks1, ks1s, ks2s = _splits(hidden, s, nt)
-    if not {ks1, ks1s} <= {1, 2, 4, 8}:  # moe_act sums FC1's splits by templates for these counts only
-        raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
     n_slots = min(e, t * top_k)
     routed_pairs = t * top_k
     pairs = routed_pairs + (t if shared else 0)

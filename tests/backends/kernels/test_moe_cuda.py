@@ -304,7 +304,8 @@ def test_dependent_launches_match_plain_launches_and_graph_replays(t: int, share
 def test_hot_expert_columns(t: int, hot: int) -> None:
     """Each CTA runs only the tokens that picked its expert, as compacted MMA columns (one 8-column tile when at most
     8 did, two when more): an expert picked by `hot` tokens (the first `hot` of them, slot 0), the other slots
-    distinct random experts, must match the reference routed the same way; unwritten outputs would stay NaN."""
+    distinct random experts, must match the reference routed the same way, token by token (a token dropped from
+    an expert's columns, or mapped back to another token's row, would be far off)."""
     moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     ids = torch.stack([torch.randperm(63, generator=gen)[:8] + 1 for _ in range(t)])  # experts 1..63
@@ -319,9 +320,8 @@ def test_hot_expert_columns(t: int, hot: int) -> None:
     assert torch.isfinite(out).all()
     err = float((out.float() - truth).norm() / truth.norm())
     assert err < 1.5e-2, err
-    for n in (0, t - 1):  # per token too: a token dropped from its expert's columns would be far off
-        e_n = float((out[n].float() - truth[n]).norm() / truth[n].norm())
-        assert e_n < 3e-2, (n, e_n)
+    per_token = (out.float() - truth).norm(dim=1) / truth.norm(dim=1)
+    assert float(per_token.max()) < 3e-2, per_token
 
 
 @pytest.mark.gpu

@@ -83,7 +83,8 @@ def _mma(a_frag: list, b_frag: list) -> list[list[float]]:
 
 
 def _b_frag(xs: np.ndarray, k: int, k_lane: int, t: int) -> list:
-    """load_b + token_rows: lane (g, j) reads token min(g, T - 1) at K k + k_lane j .. + 3."""
+    """load_b + token_rows: lane (g, j) reads staged column min(g, cnt - 1) at K k + k_lane j .. + 3 (here the
+    columns are the tokens themselves; the kernels' compaction of columns is checked on the GPU)."""
     out = []
     for lane in range(32):
         n, kk = min(lane >> 2, t - 1), k + k_lane * (lane & 3)

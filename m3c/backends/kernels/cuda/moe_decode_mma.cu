@@ -1,13 +1,14 @@
 // MegaMoE decode (1 <= T <= 8 * NT tokens) for sm_90: NVFP4 routed experts + MXFP8 shared expert, weights streamed
 // once from a prepacked layout, decoded in registers straight into mma.sync m16n8k16 f16 A fragments (weights are
 // the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No system headers (only
-// ptx_common.cuh): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (8-token
-// column tiles), ACT_BF16 (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by
+// ptx_common.cuh): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (the most
+// 8-column MMA tiles a CTA runs: T <= 8 NT; a CTA runs one when at most 8 tokens picked its expert), ACT_BF16 (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by
 // lookups to E4M3 + cvt), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
 // [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine, each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
-// shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert, prefetching its weights)
+// shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
+// weights)
 // overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the previous
 // two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
 #ifndef WARPS
