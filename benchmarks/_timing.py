@@ -64,3 +64,13 @@ def write_results(name: str, rows: list[dict], **extra: Any) -> Path:
     path.write_text(json.dumps({"bench": name, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                 "triton": triton.__version__, **extra, "rows": rows}, indent=2))
     return path
+
+
+def token_sweep(name: str, tokens: str, run: Callable[[int], dict | list[dict]], **extra: Any) -> list[dict]:
+    """run(t) for each T of the comma-separated `tokens` (a failing T recorded, not fatal: :func:`record_point`),
+    then the rows written to <name>.json (:func:`write_results`); returns the rows."""
+    rows: list[dict] = []
+    for t in (int(v) for v in tokens.split(",")):
+        record_point(rows, {"T": t}, lambda t=t: run(t))
+    write_results(name, rows, **extra)
+    return rows

@@ -25,7 +25,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from _timing import bench_graph, kernel_times, record_point, write_results
+from _timing import bench_graph, kernel_times, token_sweep
 
 from m3c.backends.kernels import megamoe as megamoe_mod
 from m3c.backends.kernels import moe_cuda
@@ -130,10 +130,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
-    rows: list[dict] = []
-    for t in (int(v) for v in args.tokens.split(",")):
-        record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, gen, settings))
-    write_results("moe_mma", rows, shape=[H, INTER, E, K, S])
+    rows = token_sweep("moe_mma", args.tokens, lambda t: run(t, moe, mm, gen, settings), shape=[H, INTER, E, K, S])
     print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
           f"{'megamoe':>8} {'old rt':>8} {'route':>7} {'old rt':>7} {'err':>8} {'tri err':>8}")
     for r in rows:

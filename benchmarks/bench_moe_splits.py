@@ -16,7 +16,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from _timing import bench_graph, record_point, write_results
+from _timing import bench_graph, token_sweep
 
 from m3c.backends.kernels import moe_cuda
 from m3c.backends.kernels.moe_routing import fused_route
@@ -78,10 +78,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
-    rows: list[dict] = []
-    for t in (int(v) for v in args.tokens.split(",")):
-        record_point(rows, {"T": t}, lambda t=t: run(t, moe, mm, gen, splits))
-    write_results("moe_splits", rows, shape=[H, INTER, E, K, S])
+    rows = token_sweep("moe_splits", args.tokens, lambda t: run(t, moe, mm, gen, splits), shape=[H, INTER, E, K, S])
     print(f"\n{'T':>3} {'exp':>4} {'splits':>8} {'fc1 CTAs':>8} {'fc2 CTAs':>8} {'µs':>8} {'%bw':>5} {'err':>8}"
           "   (CTAs: those that do work)")
     for r in rows:
