@@ -246,33 +246,43 @@ __device__ void find_tokens(int* pair, int* tok, int* cnt, const long long* ids,
   __syncthreads();
 }
 
+// Every piece (r, p) of a rows x per grid, the CTA's threads blockDim apart, four a thread at a time: load(r, p) of
+// all four is issued before any store(r, p, value), so four loads are in flight (the piece index is advanced
+// incrementally: no division a piece).
+template <class V, class Load, class Store>
+__device__ __forceinline__ void for_pieces(int rows, int per, Load load, Store store) {
+  const int total = rows * per, step = blockDim.x;
+  int r = threadIdx.x / per, p = threadIdx.x - r * per;
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * step) {
+    V v[4];
+    int rr[4], pp[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      rr[u] = -1;
+      if (i0 + u * step < total) {
+        v[u] = load(r, p);
+        rr[u] = r;
+        pp[u] = p;
+      }
+      for (p += step; p >= per; p -= per) ++r;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (rr[u] >= 0) store(rr[u], pp[u], v[u]);
+  }
+}
+
 // Copy rows src[rowof[c]][k0 : k0 + Kc] (f16, row stride ld) for the columns c < cnt into xs (row stride Kc + 4) and
-// their up-scales into mult[c]: 16-byte pieces, four loads a thread in flight before their stores.
+// their up-scales into mult[c], in 16-byte pieces.
 __device__ void stage_rows(const u16* src, const float* src_mult, const int* rowof, int cnt, long ld, int k0, int Kc,
                            u16* xs, float* mult) {
-  const int vec = Kc / 8, total = cnt * vec, step = blockDim.x;
-  int c = threadIdx.x / vec, v = threadIdx.x - c * vec;  // piece i = c vec + v, advanced by `step` incrementally
-  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * step) {
-    uint4 d[4];
-    int dst[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      dst[u] = -1;
-      if (i0 + u * step < total) {
-        d[u] = *(const uint4*)(src + rowof[c] * ld + k0 + 8 * v);
-        dst[u] = c * (Kc + 4) + 8 * v;
-      }
-      for (v += step; v >= vec; v -= vec) ++c;
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (dst[u] >= 0) {
-        uint2* o = (uint2*)(xs + dst[u]);
-        o[0] = make_uint2(d[u].x, d[u].y);
-        o[1] = make_uint2(d[u].z, d[u].w);
-      }
-    }
-  }
+  for_pieces<uint4>(
+      cnt, Kc / 8, [&](int c, int v) { return *(const uint4*)(src + rowof[c] * ld + k0 + 8 * v); },
+      [&](int c, int v, uint4 d) {
+        uint2* o = (uint2*)(xs + c * (Kc + 4) + 8 * v);
+        o[0] = make_uint2(d.x, d.y);
+        o[1] = make_uint2(d.z, d.w);
+      });
   for (int i = threadIdx.x; i < cnt; i += blockDim.x) mult[i] = src_mult[rowof[i]];
   __syncthreads();
 }
@@ -297,30 +307,13 @@ __device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* x
     }
   }
   __syncthreads();
-  const int quads = Kc / 4, total = T * quads, step = blockDim.x;
-  int n = threadIdx.x / quads, q = threadIdx.x - n * quads;
-  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * step) {
-    float4 v[4];
-    int dst[4], row[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      dst[u] = -1;
-      if (i0 + u * step < total) {
-        v[u] = load_act4(x, (long)n * H + k0 + 4 * q);
-        dst[u] = n * (Kc + 4) + 4 * q;
-        row[u] = n;
-      }
-      for (q += step; q >= quads; q -= quads) ++n;
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (dst[u] >= 0) {
-        const float dn = down[row[u]];
-        *(uint2*)(xs + dst[u]) = make_uint2(f32x2_to_f16x2(v[u].x * dn, v[u].y * dn),
-                                            f32x2_to_f16x2(v[u].z * dn, v[u].w * dn));
-      }
-    }
-  }
+  for_pieces<float4>(
+      T, Kc / 4, [&](int n, int q) { return load_act4(x, (long)n * H + k0 + 4 * q); },
+      [&](int n, int q, float4 v) {
+        const float dn = down[n];
+        *(uint2*)(xs + n * (Kc + 4) + 4 * q) = make_uint2(f32x2_to_f16x2(v.x * dn, v.y * dn),
+                                                          f32x2_to_f16x2(v.z * dn, v.w * dn));
+      });
   __syncthreads();
 }
 
