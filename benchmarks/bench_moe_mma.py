@@ -39,17 +39,23 @@ READ_BW = 4.28e12
 H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
 
 
-def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int]]) -> list[dict]:
-    """One T: check and time every setting."""
+def decode_point(t: int, moe, mm: MegaMoE, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """T random bf16 tokens routed as megamoe routes them: (x, ids, weights, experts touched, byte floor in ms,
+    the float32 reference output)."""
     x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
     cfg = moe.cfg
-    w13, w2, s13, s2 = mm.weights()
-    logits = F.linear(x.float(), mm.gate_w32)
-    ids, w, _ = fused_route(logits, mm.bias, top_k=K, routed_scaling_factor=cfg.routed_scaling_factor,
-                            norm_topk_prob=cfg.norm_topk_prob)
+    ids, w, _ = fused_route(F.linear(x.float(), mm.gate_w32), mm.bias, top_k=K,
+                            routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
     touched = int(torch.unique(ids).numel())
     floor_ms = (touched * 3 * H * INTER * 0.5625 + 3 * H * S * 1.03125) / READ_BW * 1e3
-    truth = moe(x.float())
+    return x, ids, w, touched, floor_ms, moe(x.float())
+
+
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int]]) -> list[dict]:
+    """One T: check and time every setting."""
+    x, ids, w, touched, floor_ms, truth = decode_point(t, moe, mm, gen)
+    cfg = moe.cfg
+    w13, w2, s13, s2 = mm.weights()
     triton_out = moe_prefill(x, ids, w, w13, w2, s13, s2)
     stage_x = moe_cuda.mma_specs(H, INTER, S, "bf16", 1 if t <= 8 else 2)[0]
 

@@ -15,16 +15,12 @@ import argparse
 import json
 
 import torch
-import torch.nn.functional as F
 from _timing import bench_graph, token_sweep
+from bench_moe_mma import INTER, E, H, K, S, decode_point
 
 from m3c.backends.kernels import moe_cuda
-from m3c.backends.kernels.moe_routing import fused_route
 from m3c.errors import ConfigError
 from m3c.fused.moe import MegaMoE, random_moe
-
-READ_BW = 4.28e12
-H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
 
 
 def _fixed(ks: tuple[int, int, int]):
@@ -33,14 +29,8 @@ def _fixed(ks: tuple[int, int, int]):
 
 def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, splits: list[tuple[int, int, int]]) -> list[dict]:
     """One T: every split setting's time and error."""
-    x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
-    cfg = moe.cfg
+    x, ids, w, touched, floor_ms, truth = decode_point(t, moe, mm, gen)
     w13, w2, s13, s2 = mm.weights()
-    ids, w, _ = fused_route(F.linear(x.float(), mm.gate_w32), mm.bias, top_k=K,
-                            routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
-    touched = int(torch.unique(ids).numel())
-    floor_ms = (touched * 3 * H * INTER * 0.5625 + 3 * H * S * 1.03125) / READ_BW * 1e3
-    truth = moe(x.float())
     default = moe_cuda._splits
     rows = []
     try:
