@@ -10,13 +10,12 @@ moe_stage_x), and those routing + staging launches alone, (c) the old routing + 
 (0: prmt to f16, 1: prmt to E4M3 + cvt), --natural (1: the routed experts read in their own layout, no
 prepacked copy; with decode 0 only) and --pdl (the kernels launched as programmatic dependent launches, at every T:
 "fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice) and --fc1-min-ctas (0: FC1's own
-register choice; n: n CTAs an SM forced, at every T) and --fused (1: FC1, act, FC2 and combine as one launch,
-moe_cuda.FUSED); each setting's whole op (megamoe with
+register choice; n: n CTAs an SM forced, at every T); each setting's whole op (megamoe with
 its routing launch, "megamoe") is timed too, and its output compared bitwise with the first setting's of the same
 decode / natural.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1] [--natural 0 1]
-    [--pdl none default fc1,act,fc2,combine] [--fc1-min-ctas 0 4] [--fused 0 1]
+    [--pdl none default fc1,act,fc2,combine] [--fc1-min-ctas 0 4]
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ def decode_point(t: int, moe, mm: MegaMoE, gen: torch.Generator) -> tuple[torch.
     return x, ids, w, touched, floor_ms, moe(x.float())
 
 
-def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int, int]]) -> list[dict]:
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int]]) -> list[dict]:
     """One T: check and time every setting."""
     x, ids, w, touched, floor_ms, truth = decode_point(t, moe, mm, gen)
     cfg = moe.cfg
@@ -89,20 +88,17 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             "route_w_maxrel": float(((new_r[1] - old_r[1]).abs() / old_r[1].abs()).max()),
             "staging_equal": bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3]))}
     rows = []
-    saved = (moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS, moe_cuda.FUSED,
-             moe_cuda.FUSED_MIN_CTAS)
+    saved = moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS
     first: dict[tuple[int, int], torch.Tensor] = {}
     try:
-        for dec, nat, pdl, mc, fused in settings:
-            moe_cuda.FUSED = {1: bool(fused), 2: bool(fused)}
-            moe_cuda.FUSED_MIN_CTAS = {2: 4} if fused == 2 else {}
+        for dec, nat, pdl, mc in settings:
             moe_cuda.FC1_MIN_CTAS = {1: mc, 2: mc} if mc else {}
             kernels = tuple(f"moe_{k}" for k in pdl.replace("moe_", "").split(",") if k != "none")
             moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
             moe_cuda.PDL = saved[2] if pdl == "default" else {1: kernels, 2: kernels}
             out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
             ref = first.setdefault((dec, nat), out)
-            row = dict(base, decode=dec, natural=nat, pdl=pdl, fc1_min_ctas=mc, fused=fused,
+            row = dict(base, decode=dec, natural=nat, pdl=pdl, fc1_min_ctas=mc,
                        err=float((out.float() - truth).norm() / truth.norm()),
                        max_vs_triton=float((out.float() - triton_out.float()).abs().max()),
                        equal_to_first=bool(torch.equal(out, ref)))
@@ -121,8 +117,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:  # the module settings as they were, whatever happened
-        (moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS, moe_cuda.FUSED,
-         moe_cuda.FUSED_MIN_CTAS) = saved
+        moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS = saved
     return rows
 
 
@@ -135,21 +130,20 @@ def main() -> None:
     ap.add_argument("--pdl", nargs="+", default=["default"],
                     help="kernels launched programmatically, comma-separated (fc1,act,fc2,combine), none or default")
     ap.add_argument("--fc1-min-ctas", type=int, nargs="+", default=[0])
-    ap.add_argument("--fused", type=int, nargs="+", default=[0, 1], help="0: four expert launches, 1: moe_fused, 2: moe_fused held to 4 CTAs an SM at NT = 2")
     args = ap.parse_args()
-    settings = [(d, n, p, m, f) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
-                for m in args.fc1_min_ctas for f in args.fused]
+    settings = [(d, n, p, m) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
+                for m in args.fc1_min_ctas]
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
     rows = token_sweep("moe_mma", args.tokens, lambda t: run(t, moe, mm, gen, settings), shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'fu':>2} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
+    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
           f"{'megamoe':>8} {'old rt':>8} {'route':>7} {'old rt':>7} {'err':>8} {'tri err':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['T']:>3} {r['error']}")
             continue
-        print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['natural']:>3} {r['pdl']:>22} {r['fc1_min_ctas']:>2} {r['fused']:>2} "
+        print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['natural']:>3} {r['pdl']:>22} {r['fc1_min_ctas']:>2} "
               f"{r['experts_ms'] * 1e3:>7.1f}u "
               f"{r['triton_experts_ms'] * 1e3:>7.1f}u {r['floor_ms'] * 1e3:>6.1f}u {100 * r['bw_fraction']:>5.1f} "
               f"{r['whole_ms'] * 1e3:>7.1f}u {r['megamoe_ms'] * 1e3:>7.1f}u {r['megamoe_old_route_ms'] * 1e3:>7.1f}u "

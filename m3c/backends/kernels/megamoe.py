@@ -40,7 +40,7 @@ from m3c.backends.kernels.host import cuda_kernel_device
 from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
 from m3c.backends.kernels.moe_cuda import (
     call_support,
-    decode_specs,
+    mma_specs,
     mma_supported,
     moe_decode_mma,
     route_stage,
@@ -113,7 +113,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     mma: list[CudaKernelSpec] = []
     for nt, tokens in ((1, 1), (2, MMA_MAX_TOKENS)):  # the 8- and 16-token variants, each where it fits
         if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
-            mma += decode_specs(hidden, inter, shared_inter, act_dtype, nt)
+            mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt)
             if route_supported(hidden, experts, top_k, act_dtype, tokens) is None:
                 mma.append(route_stage_spec(hidden, experts, act_dtype, nt))
     if prefill_wgmma_unsupported(hidden, inter, shared_inter, act_dtype, w13_fmt, shared_fmt) is None:

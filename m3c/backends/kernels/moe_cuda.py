@@ -91,18 +91,6 @@ FC1_MIN_CTAS: dict[int, int] = {2: 4}
 at NT = 2, i.e. 3 CTAs an SM). Forcing 4 at NT = 2 (128 registers, 3 spilled words then; 4 since session 21's
 one- or two-tile choice per CTA) made FC1 10.5% faster at T = 16,
 8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output; benchmarks/RESULTS.md session 18)."""
-FUSED_SOURCE = "moe_decode_fused.cu"
-FUSED: dict[int, bool] = {}
-"""Per NT, whether :func:`moe_decode_mma` runs FC1, act, FC2 and combine as ONE launch (``moe_fused``,
-``cuda/moe_decode_fused.cu``: one CTA a work item, the steps meeting through counters in a persistent workspace,
-act done by the last FC1 CTA of each expert, each output row block combined by its last FC2 CTA; launched as a
-programmatic dependent launch, so the shared expert's FC1 runs during the routing launch) instead of four.
-Off until its GPU tests and a same-run timing against the four launches have run."""
-FUSED_MIN_CTAS: dict[int, int] = {}
-"""Per NT, ``moe_fused`` CTAs an SM the compiler must fit (as :data:`FC1_MIN_CTAS`). Left to itself it takes 128
-registers at NT = 1 (4 CTAs an SM, 7 spilled words) and 168 at NT = 2 (3 CTAs an SM); 4 forced at NT = 2 spills 46
-words (offline sm_90a)."""
-_SYNC_INTS = 1 + 2 * (1024 + 1) + 16384 // (32 * WARPS)  # moe_fused's counters at 1024 experts, H = 16384
 _ROWS_PER_CTA = 32 * WARPS
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
@@ -141,8 +129,7 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     if hidden > 16384 or max(inter, shared_inter) > 4096:
         return f"H = {hidden}, I = {inter}, S = {shared_inter}: at most 16384 / 4096 / 4096 (staging buffers)"
     nt = _nt(tokens)
-    smem = max(_fc1_smem(hidden, shared_inter, nt), _fc2_smem(inter, shared_inter, nt),
-               4 * max(inter, shared_inter))
+    smem = max(_fc1_smem(hidden, shared_inter, nt), _fc2_smem(inter, shared_inter, nt))
     if smem > SMEM_LIMIT:
         return (f"H = {hidden}, T = {tokens}: the staged tokens need {smem} bytes of shared memory, more than "
                 f"{SMEM_LIMIT} (H / 256 odd leaves FC1 one K split)")
@@ -196,29 +183,6 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
             spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
                  "ROWS *y", warps, _fc2_smem(inter, shared_inter, nt)),
             spec("moe_combine", "*y *ids E T topk KSs P H *out", 8))
-
-
-def fused_spec(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> CudaKernelSpec:
-    """The CudaKernelSpec of ``moe_fused`` (:data:`FUSED`) for this layout and NT: FC1's and FC2's defines, shared
-    memory for the larger of their staged tokens and act's K floats, a programmatic dependent launch."""
-    return _fused_spec(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, FUSED_MIN_CTAS.get(nt, 0))
-
-
-@functools.cache
-def _fused_spec(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
-                natural: bool, fc1_min_ctas: int) -> CudaKernelSpec:
-    fc1 = _mma_specs(hidden, inter, shared_inter, act, nt, warps, decode, natural, (), fc1_min_ctas)[1]
-    smem = max(_fc1_smem(hidden, shared_inter, nt), _fc2_smem(inter, shared_inter, nt), 4 * max(inter, shared_inter))
-    args = ("*x *x16 *xmult T *ids *wts topk E n_slots *c13 *s13 *g13 rows *sc13 *ss13 srows *c2 *s2 *g2 *sc2 *ss2 H "
-            "I S KSr KSs KS2s *h *act16 *amult *y *out P ROWS *sync")
-    return CudaKernelSpec("megamoe_mma", FUSED_SOURCE, "moe_fused", arg_types(args), fc1.defines, warps, smem, True)
-
-
-def decode_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
-    """Every spec :func:`moe_decode_mma` may launch for this layout and NT (the staging launch, then the fused launch
-    where :data:`FUSED` says, else FC1, act, FC2 and combine)."""
-    specs = mma_specs(hidden, inter, shared_inter, act, nt)
-    return (specs[0], fused_spec(hidden, inter, shared_inter, act, nt)) if FUSED.get(nt) else specs
 
 
 def route_supported(hidden: int, experts: int, top_k: int, act_dtype: str, tokens: int) -> str | None:
@@ -371,13 +335,6 @@ def prepack_mxfp8(data: torch.Tensor) -> torch.Tensor:
     return d.permute(0, 3, 4, 2, 6, 5, 7, 1, 8).contiguous().reshape(-1)
 
 
-def _fused_sync(device: torch.device) -> torch.Tensor:
-    """``moe_fused``'s counters (int32, zero; the kernel leaves them zero), one per device: launches that share it must
-    not run at the same time (one stream, as the routing workspace)."""
-    return persistent(("moe_fused_sync", str(device)), lambda: torch.zeros(_SYNC_INTS, dtype=torch.int32,
-                                                                             device=device))
-
-
 def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: NVFP4Tensor,
                    w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
                    out: torch.Tensor | None = None, x16: torch.Tensor | None = None,
@@ -462,13 +419,6 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if not staged:
         runner(stage_x, (t,), [xa, hidden, x16, xmult])
     grid1 = (n_slots * two_i // _ROWS_PER_CTA * ks1 + 2 * s // _ROWS_PER_CTA * ks1s,)
-    if FUSED.get(nt):
-        grid2 = n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s if shared else 0)
-        runner(fused_spec(hidden, inter, s, act, nt), (grid1[0] + grid2,),
-               [xa, x16, xmult, t, ids, wts, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s, c2[0],
-                c2[1], g2, sc2, ss2, hidden, inter, s, ks1, ks1s, ks2s, h, act16, amult, y, out, pairs, rows_ws,
-                _fused_sync(dev)])
-        return out
     runner(fc1, grid1, [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
                         hidden, ks1, ks1s, h, pairs, rows_ws])
     runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])

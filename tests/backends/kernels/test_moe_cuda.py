@@ -148,27 +148,6 @@ def test_dependent_launches_wait_and_release_in_sass(nt: int, monkeypatch: pytes
     assert all(a.key() != b.key() for a, b in zip(specs[1:], plain[1:])) and specs[0].key() == plain[0].key()
 
 
-@pytest.mark.parametrize("nt", [1, 2])
-def test_fused_kernel_compiles_waits_and_keeps_its_registers(nt: int) -> None:
-    """moe_fused (sm_90a): a programmatic dependent launch that waits on the routing launch (ACQBULK), meets its
-    other CTAs through GPU-scope atomics and acquire loads, runs the MMAs, and fits 4 CTAs an SM (<= 128 registers,
-    the FC1 / FC2 setting) with at most a few spilled words; its shared memory holds FC1's tokens and act's floats."""
-    spec = moe_cuda.fused_spec(6144, 1536, 2048, "bf16", nt)
-    assert spec.pdl and spec.kernel == "moe_fused"
-    assert spec.shared_bytes >= max(4 * 2048, 8 * nt * (6144 // (2 * nt) + 4) * 2)
-    sass = disassemble(compile_cuda(spec, "sm_90a").binary)
-    assert "ACQBULK" in sass and "HMMA.16816.F32" in sass and "ATOM" in sass
-    assert "NANOSLEEP" in sass and ".STRONG.GPU" in sass  # the FC2 items' wait on their expert's act
-    assert sass.count("STL") <= 8
-
-
-def test_decode_specs_follow_fused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(moe_cuda, "FUSED", {1: True})
-    assert [sp.kernel for sp in moe_cuda.decode_specs(6144, 1536, 1536, "bf16", 1)] == ["moe_stage_x", "moe_fused"]
-    assert [sp.kernel for sp in moe_cuda.decode_specs(6144, 1536, 1536, "bf16", 2)] == [
-        "moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine"]
-
-
 def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str, act: torch.dtype,
           x_scale: float = 1.0):
     from m3c.backends.kernels.moe_routing import moe_route
@@ -346,66 +325,6 @@ def test_hot_expert_columns(t: int, hot: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 3, 8, 9, 16])
-@pytest.mark.parametrize("shared", ["mxfp8", "none"])
-def test_fused_launch_is_bitwise_the_four_launches(t: int, shared: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSED (FC1, act, FC2 and combine in one launch meeting through counters) sums the same products in the same
-    order as the four launches: bitwise the same output, eagerly, call after call (the counters are left at zero), in
-    a CUDA graph replayed with new tokens after the routing launch, and with an out-of-range routed id (that token
-    NaN, the others as before)."""
-    moe, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, shared, torch.bfloat16)
-    w13, w2, s13, s2 = mm.weights()
-    monkeypatch.setattr(moe_cuda, "FUSED", {})
-    four = moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2)
-    whole_four = mm(x)
-    truth = moe(x.float())
-    assert float((four.float() - truth).norm() / truth.norm()) < 1.5e-2
-    monkeypatch.setattr(moe_cuda, "FUSED", {1: True, 2: True})
-    for _ in range(3):
-        out = torch.full_like(x, float("nan"))
-        moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2, out=out)
-        assert torch.equal(out, four)
-    assert torch.equal(mm(x), whole_four)  # behind the routing launch (programmatic: shared FC1 overlaps it)
-    static = x.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = mm(static)
-    for scale in (1.0, 40.0):
-        new = (torch.randn(x.shape, device="cuda") * scale).to(x.dtype)
-        static.copy_(new)
-        got.fill_(float("nan"))
-        graph.replay()
-        monkeypatch.setattr(moe_cuda, "FUSED", {})
-        assert torch.equal(got, mm(new)), scale
-        monkeypatch.setattr(moe_cuda, "FUSED", {1: True, 2: True})
-    bad = ids.clone()
-    bad[0, 3] = 64
-    out = moe_cuda.moe_decode_mma(x, bad, w.float(), w13, w2, s13, s2)
-    assert torch.isnan(out[0]).all()
-    assert torch.equal(out[1:], four[1:])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t, hot", [(16, 16), (12, 9), (5, 5)])
-def test_fused_hot_expert_columns(t: int, hot: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FUSED with one expert picked by `hot` tokens (its act pairs all done by one CTA, both tile paths) is bitwise
-    the four launches, which test_hot_expert_columns checks token by token against the reference."""
-    _, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    ids = torch.stack([torch.randperm(63, generator=gen)[:8] + 1 for _ in range(t)])
-    ids[:hot, 0] = 0
-    w = torch.rand(t, 8, generator=gen) + 0.1
-    ids, w = ids.cuda(), (w / w.sum(dim=1, keepdim=True)).cuda()
-    w13, w2, s13, s2 = mm.weights()
-    monkeypatch.setattr(moe_cuda, "FUSED", {})
-    four = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
-    monkeypatch.setattr(moe_cuda, "FUSED", {1: True, 2: True})
-    out = torch.full_like(x, float("nan"))
-    moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2, out=out)
-    assert torch.equal(out, four)
-
-
-@pytest.mark.gpu
 def test_moe_decode_mma_float32_tokens_and_large_activations() -> None:
     # tokens past f16's range (and FC1 outputs far past it): the per-row power-of-two staging must keep them
     moe, mm, x, ids, w = _case(4, 1024, 256, 16, 4, "mxfp8", torch.float32, x_scale=3e5)
@@ -434,10 +353,8 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     assert tiny and not any(isinstance(s, CudaKernelSpec) for s in tiny)
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("cuda_route", [True, False])
-def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, fused: bool,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """T <= 16 on a CUDA device goes to the CUDA kernels (routing + staging in one CUDA launch with ``CUDA_ROUTE``,
     else the GEMV + fused_route + moe_stage_x); every launch is a spec the offline lowering compiled (meta tensors
     stand in for the GPU: no data, no sync), with the grids the kernels expect."""
@@ -446,7 +363,6 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, fused: bool,
     from m3c.backends.kernels.megamoe import megamoe, megamoe_specs
 
     monkeypatch.setattr(moe_routing, "interpreting", lambda: False)  # the GPU's routing spec, as the lowering lists
-    monkeypatch.setattr(moe_cuda, "FUSED", {1: fused, 2: fused})
 
     h, inter, e, k, s = 6144, 1536, 64, 8, 1536
     listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")}
@@ -463,19 +379,17 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, fused: bool,
                 routed_scaling_factor=2.5, norm_topk_prob=True,
                 runner=lambda sp, grid, args, seen=seen: seen.append((sp, grid, args)))
         kernels = [sp.kernel for sp, _, _ in seen if getattr(sp, "kernel", None)]
-        steps = ["moe_fused"] if fused else ["moe_fc1", "moe_act", "moe_fc2", "moe_combine"]
-        assert kernels == [first, *steps], (t, kernels)
-        assert len(seen) == len(steps) + (1 if cuda_route else 2), t  # the old path also launches fused_route
+        assert kernels == [first, "moe_fc1", "moe_act", "moe_fc2", "moe_combine"], (t, kernels)
+        assert len(seen) == (5 if cuda_route else 6), t  # the old path also launches fused_route (Triton)
         assert all(sp.key() in listed for sp, _, _ in seen), t
-        nt = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == steps[0]).defines)["NT"]
+        nt = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == "moe_fc1").defines)["NT"]
         assert nt == (1 if t <= 8 else 2)
         for sp, _grid, args in seen:
             if getattr(sp, "kernel", None):
                 assert len(args) == len(sp.arg_types), sp.kernel
-        fc1_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == steps[0])
+        fc1_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc1")
         ks1 = 2 * nt
-        fc2_items = min(e, t * k) * (h // 128) + (h // 128) * 2 if fused else 0  # routed, then 2 shared K splits
-        assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1 + fc2_items
+        assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1
         if cuda_route:
             grid0 = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_route_stage")
             assert grid0 == (t + (e // 8) * moe_cuda.route_split(h, e)[1],)

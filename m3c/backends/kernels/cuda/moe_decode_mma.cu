@@ -1,10 +1,89 @@
-// MegaMoE decode kernels, one launch a step (moe_decode_core.cuh holds their device code and settings).
+// MegaMoE decode (1 <= T <= 8 * NT tokens) for sm_90: NVFP4 routed experts + MXFP8 shared expert, weights streamed
+// once from a prepacked layout, decoded in registers straight into mma.sync m16n8k16 f16 A fragments (weights are
+// the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No system headers (only
+// ptx_common.cuh): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (the most
+// 8-column MMA tiles a CTA runs: T <= 8 NT; a CTA runs one when at most 8 tokens picked its expert), ACT_BF16 (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by
+// lookups to E4M3 + cvt), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
+// [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine, each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
-// weights) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the
-// previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
-#include "moe_decode_core.cuh"
+// weights)
+// overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the previous
+// two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
+#ifndef WARPS
+#define WARPS 4
+#endif
+#ifndef NT
+#define NT 1
+#endif
+#ifndef ACT_BF16
+#define ACT_BF16 1
+#endif
+#ifndef DECODE
+#define DECODE 0
+#endif
+#ifndef NATURAL
+#define NATURAL 0  // 1: the routed NVFP4 experts in the checkpoint's own layout (no prepacked copy)
+#endif
+#define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
+// FC1 / FC2 launch bounds: at NT 1 both ask for 4 CTAs an SM (128 registers: left to itself, ptxas gives FC2 129
+// and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31 spilled words,
+// and T = 16 measured the same, benchmarks/RESULTS.md session 21)
+#if NT == 1
+#define FC_BOUNDS __launch_bounds__(WARPS * 32, 4)
+#else
+#define FC_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+#ifdef FC1_MIN_CTAS  // FC1 CTAs an SM the compiler must fit (registers <= 64K / (32 WARPS FC1_MIN_CTAS))
+#define FC1_BOUNDS __launch_bounds__(WARPS * 32, FC1_MIN_CTAS)
+#else
+#define FC1_BOUNDS FC_BOUNDS
+#endif
+#define MAXT (8 * NT)
+
+#include "ptx_common.cuh"
+#include "moe_tokens.cuh"
+
+// Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
+// rows' scale pairs.
+__device__ __forceinline__ void decode_nvfp4(u32 w, u32 sg, u32 sg8, u32* a) {
+  u32 m = w & 0x77777777u;
+#if DECODE == 0
+  u32 oa = prmt(0x3E3C3800u, 0x46444240u, m);        // f16 high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6
+  u32 ob = prmt(0x3E3C3800u, 0x46444240u, m >> 16);
+  oa |= w & 0x80808080u;
+  ob |= (w << 4) & 0x80808080u;
+  a[0] = hmul2(prmt(oa, 0u, 0x1404u), sg);
+  a[1] = hmul2(prmt(oa, 0u, 0x3424u), sg8);
+  a[2] = hmul2(prmt(ob, 0u, 0x1404u), sg);
+  a[3] = hmul2(prmt(ob, 0u, 0x3424u), sg8);
+#else
+  u32 oa = prmt(0x3C383000u, 0x4C484440u, m);        // E4M3 codes of 0, .5, 1, 1.5 | 2, 3, 4, 6
+  u32 ob = prmt(0x3C383000u, 0x4C484440u, m >> 16);
+  oa |= w & 0x80808080u;
+  ob |= (w << 4) & 0x80808080u;
+  a[0] = hmul2(e4m3x2_lo(oa), sg);
+  a[1] = hmul2(e4m3x2_hi(oa), sg8);
+  a[2] = hmul2(e4m3x2_lo(ob), sg);
+  a[3] = hmul2(e4m3x2_hi(ob), sg8);
+#endif
+}
+
+__device__ __forceinline__ float e8m0_float(u32 e) {
+  return __uint_as_float(e == 0u ? 0x00400000u : (e == 255u ? 0x7FC00000u : e << 23));
+}
+
+__device__ float block_max(float v, float* red) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v = fmaxf(v, red[w]);
+  __syncthreads();
+  return v;
+}
 
 // x16[n, :] = f16(x[n, :] * 2^-e(n)), xmult[n] = 2^e(n): one CTA per token.
 extern "C" __global__ void __launch_bounds__(256)
@@ -21,6 +100,33 @@ moe_stage_x(const void* x, int H, u16* x16, float* xmult, void* scratch0, void* 
     *(u32*)(x16 + (long)n * H + k) =
         f32x2_to_f16x2(load_act(x, (long)n * H + k) * down, load_act(x, (long)n * H + k + 1) * down);
   if (threadIdx.x == 0) xmult[n] = up;
+}
+
+// SiLU(gate) * up of pair row hp at columns k, k + 1 (k < K), gate / up summed over SPL K splits.
+template <int SPL>
+__device__ __forceinline__ void act_pair(const float* hp, long split, int K, int k, float* v) {
+  float2 gv[SPL], uv[SPL];
+#pragma unroll
+  for (int s = 0; s < SPL; ++s) {
+    gv[s] = *(const float2*)(hp + s * split + k);
+    uv[s] = *(const float2*)(hp + s * split + K + k);
+  }
+  float gs[2] = {0.f, 0.f}, us[2] = {0.f, 0.f};
+#pragma unroll
+  for (int s = 0; s < SPL; ++s) {
+    gs[0] += gv[s].x;
+    gs[1] += gv[s].y;
+    us[0] += uv[s].x;
+    us[1] += uv[s].y;
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
+    v[e] = silu_mul_bf16(gs[e], us[e]);
+#else
+    v[e] = gs[e] / (1.f + expf(-gs[e])) * us[e];
+#endif
+  }
 }
 
 #define ACT_THREADS 512  // moe_act's CTA: K <= 4096 is four value pairs a thread
@@ -67,6 +173,455 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
     if (k < K) *(u32*)(act16 + (long)p * ROWS / 2 + k) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
   }
   if (threadIdx.x == 0) amult[p] = up;
+}
+
+struct Block {   // what one CTA works on
+  int expert;    // routed expert id, or -1 for the shared expert
+  int row0;      // first weight row of the CTA (within the expert's rows)
+  int ks, KS;    // K split index and count
+};
+
+// Work item `item`: routed (expert slot x row block x KSr splits) items first, then shared (row block x KSs
+// splits; ids not read). Returns false if the item's expert slot is unused (fewer experts touched than slots).
+__device__ bool find_block(Block& b, int item, const long long* ids, int n_ids, int E, int n_slots, int rows,
+                           int srows, int KSr, int KSs, u32* flags) {
+  const int per = rows / (32 * WARPS);
+  if (item >= n_slots * per * KSr) {
+    item -= n_slots * per * KSr;
+    b.expert = -1;
+    b.KS = KSs;
+    b.ks = item % KSs;
+    b.row0 = (item / KSs) * 32 * WARPS;
+    return b.row0 < srows;
+  }
+  b.KS = KSr;
+  b.ks = item % KSr;
+  item /= KSr;
+  const int slot = item / per;
+  b.row0 = (item % per) * 32 * WARPS;
+  for (int i = threadIdx.x; i < (E + 31) / 32; i += blockDim.x) flags[i] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_ids; i += blockDim.x) {
+    long long e = ids[i];
+    if (e >= 0 && e < E) atomicOr(&flags[e >> 5], 1u << (e & 31));
+  }
+  __syncthreads();
+  int left = slot;
+  b.expert = -2;
+  for (int w = 0; w < (E + 31) / 32; ++w) {
+    u32 f = flags[w];
+    int c = __popc(f);
+    if (left < c) {
+      for (int k = 0; k < left; ++k) f &= f - 1u;
+      b.expert = w * 32 + __ffs(f) - 1;
+      break;
+    }
+    left -= c;
+  }
+  return b.expert >= 0;
+}
+
+// The tokens this block works on, compacted: pair[n] = the row of h / y of token n (routed: n * topk + slot or -1;
+// shared: T * topk + n), tok[c] = the c-th token with a pair (in token order), *cnt their number. The MMA's columns
+// are c < cnt, so a routed expert that 3 of 16 tokens picked runs one 8-column tile and stages 3 rows, not 16.
+__device__ void find_tokens(int* pair, int* tok, int* cnt, const long long* ids, int T, int topk, int expert) {
+  for (int n = threadIdx.x; n < T; n += blockDim.x) {
+    int p = -1;
+    if (expert < 0) {
+      p = T * topk + n;
+    } else {
+      for (int k = 0; k < topk; ++k)
+        if (ids[n * topk + k] == expert) { p = n * topk + k; break; }
+    }
+    pair[n] = p;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // T <= 32: one warp compacts by ballot
+    const int n = threadIdx.x;
+    const bool has = n < T && pair[n] >= 0;
+    const u32 mask = __ballot_sync(0xffffffffu, has);
+    if (has) tok[__popc(mask & ((1u << n) - 1u))] = n;
+    if (n == 0) *cnt = __popc(mask);
+  }
+  __syncthreads();
+}
+
+// Every piece (r, p) of a rows x per grid, the CTA's threads blockDim apart, four a thread at a time: load(r, p) of
+// all four is issued before any store(r, p, value), so four loads are in flight (the piece index is advanced
+// incrementally: no division a piece).
+template <class V, class Load, class Store>
+__device__ __forceinline__ void for_pieces(int rows, int per, Load load, Store store) {
+  const int total = rows * per, step = blockDim.x;
+  int r = threadIdx.x / per, p = threadIdx.x - r * per;
+  for (int i0 = threadIdx.x; i0 < total; i0 += 4 * step) {
+    V v[4];
+    int rr[4], pp[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      rr[u] = -1;
+      if (i0 + u * step < total) {
+        v[u] = load(r, p);
+        rr[u] = r;
+        pp[u] = p;
+      }
+      for (p += step; p >= per; p -= per) ++r;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (rr[u] >= 0) store(rr[u], pp[u], v[u]);
+  }
+}
+
+// Copy rows src[rowof[c]][k0 : k0 + Kc] (f16, row stride ld) for the columns c < cnt into xs (row stride Kc + 4) and
+// their up-scales into mult[c], in 16-byte pieces.
+__device__ void stage_rows(const u16* src, const float* src_mult, const int* rowof, int cnt, long ld, int k0, int Kc,
+                           u16* xs, float* mult) {
+  for_pieces<uint4>(
+      cnt, Kc / 8, [&](int c, int v) { return *(const uint4*)(src + rowof[c] * ld + k0 + 8 * v); },
+      [&](int c, int v, uint4 d) {
+        uint2* o = (uint2*)(xs + c * (Kc + 4) + 8 * v);
+        o[0] = make_uint2(d.x, d.y);
+        o[1] = make_uint2(d.z, d.w);
+      });
+  for (int i = threadIdx.x; i < cnt; i += blockDim.x) mult[i] = src_mult[rowof[i]];
+  __syncthreads();
+}
+
+// Stage the tokens straight from x (FC1's shared-expert items, before grid_wait(); bitwise what moe_stage_x and
+// moe_route_stage write: the max is exact, the scaling by 2^-e too): xs[n, :Kc] = f16(x[n, k0 : k0 + Kc] 2^-e(n)),
+// mult[n] = 2^e(n) for every token n < T (H % 128 == 0). `down` holds T floats of scratch.
+__device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* xs, float* mult, float* down) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int n = warp; n < T; n += WARPS) {  // a warp per token: its largest magnitude over all of H
+    float m = 0.f;
+#pragma unroll 4
+    for (int k = 4 * lane; k < H; k += 128) {
+      m = amax4(m, load_act4(x, (long)n * H + k));
+    }
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) {
+      float dn, up;
+      pow2_scale(m, dn, up);
+      down[n] = dn;
+      mult[n] = up;
+    }
+  }
+  __syncthreads();
+  for_pieces<float4>(
+      T, Kc / 4, [&](int n, int q) { return load_act4(x, (long)n * H + k0 + 4 * q); },
+      [&](int n, int q, float4 v) {
+        const float dn = down[n];
+        *(uint2*)(xs + n * (Kc + 4) + 4 * q) = make_uint2(f32x2_to_f16x2(v.x * dn, v.y * dn),
+                                                          f32x2_to_f16x2(v.z * dn, v.w * dn));
+      });
+  __syncthreads();
+}
+
+// The B fragments (activations, f16 pairs) of one 16-K MMA step for each of the N 8-column tiles: xrow[nt] + k holds
+// the lane's four K values (the layouts put them next to each other).
+template <int N>
+__device__ __forceinline__ void load_b(u32 (&b)[N][2], const u16* const (&xrow)[N], int k) {
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt) {
+    const uint2 v = *(const uint2*)(xrow[nt] + k);
+    b[nt][0] = v.x;
+    b[nt][1] = v.y;
+  }
+}
+
+// Row pointers into the staged activations for the lane's columns (columns past cnt read column cnt - 1; their
+// results are never stored), offset by the lane's K position `k_lane`.
+template <int N>
+__device__ __forceinline__ void token_rows(const u16* (&xrow)[N], const u16* xs, int Kc, int cnt, int k_lane) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt) xrow[nt] = xs + (long)min(g + 8 * nt, cnt - 1) * (Kc + 4) + k_lane;
+}
+
+
+// One super-chunk (256 K) of NVFP4 codes / scales for the warp's tiles: [tile][super-chunk][chunk][lane][16 B]
+// codes, [tile][super-chunk][lane][8 B] scales.
+__device__ __forceinline__ void load_nvfp4(uint4 (&cb)[ROWT][4], uint2 (&sb)[ROWT], const u8* code, const u8* scale,
+                                           long tile_bytes, long tile_sbytes, int sc) {
+#pragma unroll
+  for (int t = 0; t < ROWT; ++t) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) cb[t][c] = ld_stream4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
+    sb[t] = ld_stream2(scale + t * tile_sbytes + (long)sc * 256);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint2 (&sb)[ROWT], int sc,
+                                          const u16* const (&xrow)[N], float (*acc)[N][4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    u32 sg[ROWT], sg8[ROWT];
+#pragma unroll
+    for (int t = 0; t < ROWT; ++t) {
+      u32 sw = c < 2 ? sb[t].x : sb[t].y;
+      sg[t] = scale_pair(sw, (c & 1) * 2);
+      sg8[t] = scale_pair(sw, (c & 1) * 2 + 1);
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int k = (sc * 4 + c) * 64 + 4 * s;
+      u32 b[N][2];
+      load_b<N>(b, xrow, k);
+#pragma unroll
+      for (int t = 0; t < ROWT; ++t) {
+        u32 w = s == 0 ? cb[t][c].x : s == 1 ? cb[t][c].y : s == 2 ? cb[t][c].z : cb[t][c].w;
+        u32 a[4];
+        decode_nvfp4(w, sg[t], sg8[t], a);
+#pragma unroll
+        for (int nt = 0; nt < N; ++nt) mma(acc[t][nt], a[0], a[1], a[2], a[3], b[nt][0], b[nt][1]);
+      }
+    }
+  }
+}
+
+struct Nvfp4Stream {  // a warp's NVFP4 tiles for one K split: the lane's codes / scales, tiles tile_bytes apart
+  const u8* code;
+  const u8* scale;
+  long tile_bytes, tile_sbytes;
+  static constexpr int k_lane = 16;  // lane j's scale group holds K 16 j .. 16 j + 15 of each 64-K chunk
+  __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
+    load_nvfp4(c, s, code, scale, tile_bytes, tile_sbytes, sc);
+  }
+  template <int N>
+  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
+                                      const u16* const (&xrow)[N], float (*acc)[N][4]) const {
+    mma_nvfp4<N>(c, s, sc, xrow, acc);
+  }
+};
+
+// The routed NVFP4 weights in their natural layout: lane (g, j) of a 16-row tile reads 16-byte pieces j and j + 4 of
+// rows g and g + 8 in each 256-K super-chunk (128 bytes a row), i.e. K 32 j .. 32 j + 31 and 128 + 32 j ...; the
+// MMA's K may be visited in any order, so MMA step (piece q, word w, half e) takes the lane's K 32 j + 128 q + 8 w +
+// 4 e .. + 3 from both the weights (decode8's pairs 2e, 2e + 1) and the staged tokens (k_lane = 32 j). Scales: the
+// two E4M3 bytes of a piece's two 16-K groups (a u16 per row and piece).
+struct Nvfp4NaturalStream {
+  const u8* code;   // row g's byte 16 j of this K split
+  const u8* scale;  // row g's scale byte 2 j of this K split
+  long row_bytes, row_sbytes;  // K / 2, K / 16
+  static constexpr int k_lane = 32;
+  __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
+#pragma unroll
+    for (int t = 0; t < ROWT; ++t) {
+      u32 sw[4];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const long row = 16 * t + 8 * r;
+          c[t][2 * r + q] = ld_stream4(code + row * row_bytes + (long)sc * 128 + 64 * q);
+          sw[2 * r + q] = *(const u16*)(scale + row * row_sbytes + (long)sc * 16 + 8 * q);
+        }
+      s[t] = make_uint2(sw[0] | (sw[1] << 16), sw[2] | (sw[3] << 16));  // row g: pieces 0, 1 | row g + 8
+    }
+  }
+  template <int N>
+  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
+                                      const u16* const (&xrow)[N], float (*acc)[N][4]) const {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        u32 pg[ROWT][4], pg8[ROWT][4], sg[ROWT], sg8[ROWT];
+#pragma unroll
+        for (int t = 0; t < ROWT; ++t) {
+          const uint4 a = c[t][q], b8 = c[t][2 + q];
+          decode8(w == 0 ? a.x : w == 1 ? a.y : w == 2 ? a.z : a.w, pg[t]);
+          decode8(w == 0 ? b8.x : w == 1 ? b8.y : w == 2 ? b8.z : b8.w, pg8[t]);
+          sg[t] = scale_pair(s[t].x, 2 * q + (w >> 1));   // row g, piece q, 16-K group w / 2
+          sg8[t] = scale_pair(s[t].y, 2 * q + (w >> 1));  // row g + 8
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          u32 b[N][2];
+          load_b<N>(b, xrow, sc * 256 + 128 * q + 8 * w + 4 * e);
+#pragma unroll
+          for (int t = 0; t < ROWT; ++t) {
+            const u32 a0 = hmul2(pg[t][2 * e], sg[t]), a1 = hmul2(pg8[t][2 * e], sg8[t]);
+            const u32 a2 = hmul2(pg[t][2 * e + 1], sg[t]), a3 = hmul2(pg8[t][2 * e + 1], sg8[t]);
+#pragma unroll
+            for (int nt = 0; nt < N; ++nt) ::mma(acc[t][nt], a0, a1, a2, a3, b[nt][0], b[nt][1]);
+          }
+        }
+      }
+    }
+  }
+};
+
+// One super-chunk (128 K) of MXFP8 codes ([tile][super-chunk][unit][lane][16 B]) and the E8M0 scales of rows g and
+// g + 8 (natural layout: `scale` points at row g's scales for this K split, `srow` bytes a row).
+__device__ __forceinline__ void load_mxfp8(uint4 (&cw)[ROWT][4], uint2 (&sw)[ROWT], const u8* code, const u8* scale,
+                                           long tile_bytes, long tile_sbytes, int srow, int sc) {
+#pragma unroll
+  for (int t = 0; t < ROWT; ++t) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) cw[t][c] = ld_stream4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
+    sw[t].x = *(const u32*)(scale + t * tile_sbytes + sc * 4);              // row g: 4 groups of 32
+    sw[t].y = *(const u32*)(scale + t * tile_sbytes + 8L * srow + sc * 4);  // row g + 8
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void mma_mxfp8(const uint4 (&cw)[ROWT][4], const uint2 (&sw)[ROWT], int sc,
+                                          const u16* const (&xrow)[N], float (*acc)[N][4]) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {  // 8 steps of 16 K: step q lane j covers k = 16 q + 4 j + 0..3 (one E8M0 group)
+    const int k = sc * 128 + q * 16;
+    u32 b[N][2];
+    load_b<N>(b, xrow, k);
+#pragma unroll
+    for (int t = 0; t < ROWT; ++t) {
+      const uint4 v = cw[t][q >> 1];
+      u32 w0 = (q & 1) ? v.z : v.x, w1 = (q & 1) ? v.w : v.y;
+      float sg = e8m0_float((sw[t].x >> (8 * (q >> 1))) & 0xFFu);
+      float sg8 = e8m0_float((sw[t].y >> (8 * (q >> 1))) & 0xFFu);
+      u32 a0 = e4m3x2_lo(w0), a1 = e4m3x2_hi(w0), a2 = e4m3x2_lo(w1), a3 = e4m3x2_hi(w1);
+#pragma unroll
+      for (int nt = 0; nt < N; ++nt) {
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma(d, a0, a1, a2, a3, b[nt][0], b[nt][1]);
+        acc[t][nt][0] += sg * d[0];
+        acc[t][nt][1] += sg * d[1];
+        acc[t][nt][2] += sg8 * d[2];
+        acc[t][nt][3] += sg8 * d[3];
+      }
+    }
+  }
+}
+
+struct Mxfp8Stream {  // a warp's MXFP8 tiles for one K split (scales: row g's, srow bytes a row)
+  const u8* code;
+  const u8* scale;
+  long tile_bytes, tile_sbytes;
+  int srow;
+  static constexpr int k_lane = 4;  // lane j holds K 4 j .. 4 j + 3 of each 16-K step
+  __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
+    load_mxfp8(c, s, code, scale, tile_bytes, tile_sbytes, srow, sc);
+  }
+  template <int N>
+  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
+                                      const u16* const (&xrow)[N], float (*acc)[N][4]) const {
+    mma_mxfp8<N>(c, s, sc, xrow, acc);
+  }
+};
+
+// acc[t][nt][4] += W[tile rows] . xs over this warp's K range of nsc super-chunks (64 code bytes a lane and tile
+// each), two register buffers: the next super-chunk's loads are in flight while one is decoded. (A third buffer
+// measured slower on the H200: 158 registers, 3 CTAs per SM; so did asking L2 for the super-chunk 4 ahead, 10-20%:
+// benchmarks/RESULTS.md, session 21.)
+template <int N, class Stream>
+__device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4]) {
+  const u16* xrow[N];
+  token_rows<N>(xrow, xs, Kc, cnt, Stream::k_lane * (threadIdx.x & 3));
+  uint4 ca[ROWT][4], cb[ROWT][4];
+  uint2 sa[ROWT], sb[ROWT];
+  w.load(ca, sa, 0);
+  for (int sc = 0; sc < nsc; sc += 2) {
+    if (sc + 1 < nsc) w.load(cb, sb, sc + 1);
+    w.template mma<N>(ca, sa, sc, xrow, acc);
+    if (sc + 1 >= nsc) break;
+    if (sc + 2 < nsc) w.load(ca, sa, sc + 2);
+    w.template mma<N>(cb, sb, sc + 1, xrow, acc);
+  }
+}
+
+// Ask L2 for the first super-chunk of the warp's code bytes (both tiles) before the staging (and, in FC2, before
+// grid_wait()), so the weight stream's first latency overlaps it. (The CTA's whole K range by
+// cp.async.bulk.prefetch.L2 measured 5-25% slower on the H200: benchmarks/RESULTS.md, session 18.)
+__device__ __forceinline__ void prefetch_first(const Block& b, int rows_total, int K, int Kc, const u8* rcode,
+                                               const u8* scode) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#if NATURAL
+  if (b.expert >= 0) {  // the first super-chunk (128 bytes) of each of the warp's 32 rows
+    const long row = (long)b.expert * rows_total + b.row0 + warp * 32 + lane;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rcode + row * (K / 2) + (long)b.ks * Kc / 2));
+    return;
+  }
+#endif
+  const long tile = (long)(b.row0 + warp * 32) / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
+  const long tb = b.expert >= 0 ? (long)K * 8 : (long)K * 16;
+  const u8* c = (b.expert >= 0 ? rcode : scode) + tile * tb + (long)b.ks * Kc * (b.expert >= 0 ? 8 : 16);
+#pragma unroll
+  for (int t = 0; t < ROWT; ++t)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + t * tb + lane * 64));  // 2 KB: the first super-chunk
+}
+
+// What a block's MMA columns are: column c < cnt is token tok[c], whose h / y row is pair[tok[c]].
+struct Cols {
+  const int* pair;
+  const int* tok;
+  int cnt;
+};
+
+// The warp's two row tiles over this block's K range with N 8-column tiles (cnt <= 8 N), then (after grid_wait():
+// FC1's shared-expert items reach it first here) out[p, row] = acc * 2^e * row factor * weight.
+template <int N>
+__device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K, int Kc, const Cols& cols, const u16* xs,
+                          const float* mult, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode,
+                          const u8* sscale, const float* wts, float* out, long out_stride) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
+  const int row = b.row0 + warp * 32;  // first row of the warp's tiles
+  const int cnt = cols.cnt;
+  float acc[ROWT][N][4];
+#pragma unroll
+  for (int t = 0; t < ROWT; ++t)
+#pragma unroll
+    for (int nt = 0; nt < N; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.f;
+  const long tile = (long)row / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
+  if (b.expert >= 0 && NATURAL) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
+    const long r0 = (long)b.expert * rows_total + row + g;
+    const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;
+    const u8* s = rscale + r0 * (K / 16) + (long)b.ks * Kc / 16 + 2 * j;
+    gemv<N>(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, cnt, acc);
+  } else if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
+    const long tb = (long)K * 8, tsb = (long)K;
+    const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
+    const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
+    gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc);
+  } else {              // prepacked codes (16 rows x K bytes a tile), scales in their natural [rows, K / 32] layout
+    const long tb = (long)K * 16, tsb = (long)K * 16 / 32;
+    const u8* c = scode + tile * tb + (long)b.ks * Kc * 16 + lane * 16;
+    const u8* s = sscale + (long)(row + g) * (K / 32) + (long)b.ks * Kc / 32;
+    gemv<N>(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, cnt, acc);
+  }
+  grid_wait();
+#pragma unroll
+  for (int t = 0; t < ROWT; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = row + 16 * t + g + (i >= 2 ? 8 : 0);
+      const float f = b.expert >= 0 ? rrow[(long)b.expert * rows_total + r] : 1.f;
+#pragma unroll
+      for (int nt = 0; nt < N; ++nt) {
+        const int c = 8 * nt + 2 * j + (i & 1);
+        if (c < cnt) {
+          const int p = cols.pair[cols.tok[c]];
+          out[(long)p * out_stride + r] = acc[t][nt][i] * mult[c] * f * (wts ? wts[p] : 1.f);
+        }
+      }
+    }
+  }
+}
+
+// run_tiles with the fewest 8-column tiles that hold the block's cnt columns (1 or NT).
+__device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
+                                         const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
+                                         const float* rrow, const u8* scode, const u8* sscale, const float* wts,
+                                         float* out, long out_stride) {
+#if NT > 1
+  if (cols.cnt > 8) {
+    run_tiles<NT>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride);
+    return;
+  }
+#endif
+  run_tiles<1>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride);
 }
 
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
@@ -137,8 +692,30 @@ moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KS
   grid_wait();
   grid_launch_dependents();
   const int n = blockIdx.y;
-  const bool valid = token_valid(ids, n, topk, E);
+  bool valid = true;
+  for (int k = 0; k < topk; ++k) {  // no short-circuit: the id loads need not wait on each other
+    const long long e = ids[n * topk + k];
+    valid &= e >= 0 && e < E;
+  }
   for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256) {
-    store_act(out, (long)n * H + c, combine_sum(y, n, c, valid, T, topk, KSs, P, H));
+    float s = valid ? 0.f : __uint_as_float(0x7FC00000u);
+    const int rows = (valid ? topk : 0) + KSs;  // routed rows n topk + k, then the shared splits' rows
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int r = r0 + u, k = r - (valid ? topk : 0);
+        const long row = k < 0 ? (long)n * topk + r : (long)k * P + T * topk + n;
+        v[u] = r < rows ? y[row * H + c] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (r0 + u < rows) s += v[u];
+    }
+#if ACT_BF16
+    ((u16*)out)[(long)n * H + c] = bf16_bits(s);
+#else
+    ((float*)out)[(long)n * H + c] = s;
+#endif
   }
 }
