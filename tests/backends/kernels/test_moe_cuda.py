@@ -218,7 +218,7 @@ def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPat
     from m3c.errors import ConfigError
 
     h, inter, e, k, t = 768, 256, 8, 2, 3
-    w13, w2, s13, s2 = nvfp4(e, 2 * inter, h, **_CPU), nvfp4(e, h, inter, **_CPU), None, None
+    w13, w2, s13, s2 = nvfp4(e, 2 * inter, h, device="cpu"), nvfp4(e, h, inter, device="cpu"), None, None
     x, ids, wts = torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, k, dtype=torch.int64), torch.zeros(t, k)
     monkeypatch.setattr(moe_cuda, "NATURAL", True)  # no prepacked copy of the (uninitialized) weights
     seen: list = []
@@ -229,9 +229,6 @@ def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ConfigError, match="1, 2, 4 or 8"):
         moe_cuda.moe_decode_mma(x, ids, wts, w13, w2, s13, s2, runner=lambda sp, grid, args: seen.append(sp.kernel))
     assert not seen
-
-
-_CPU = {"device": "cpu"}
 
 
 @pytest.mark.gpu

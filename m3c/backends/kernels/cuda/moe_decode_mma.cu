@@ -2,15 +2,15 @@
 // once from a prepacked layout, decoded in registers straight into mma.sync m16n8k16 f16 A fragments (weights are
 // the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No system headers (only
 // ptx_common.cuh): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (the most
-// 8-column MMA tiles a CTA runs: T <= 8 NT; a CTA runs one when at most 8 tokens picked its expert), ACT_BF16 (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by
-// lookups to E4M3 + cvt), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
-// [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked).
+// 8-column MMA tiles a CTA runs: T <= 8 NT; a CTA runs one when at most 8 tokens picked its expert), ACT_BF16
+// (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt), NATURAL
+// (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] / [E, rows, K / 16] layout, decoded by
+// ptx_common's decode8; the shared MXFP8 expert stays prepacked).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine, each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
-// weights)
-// overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the previous
-// two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
+// weights) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the
+// previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
 #ifndef WARPS
 #define WARPS 4
 #endif
@@ -338,7 +338,6 @@ __device__ __forceinline__ void token_rows(const u16* (&xrow)[N], const u16* xs,
   for (int nt = 0; nt < N; ++nt) xrow[nt] = xs + (long)min(g + 8 * nt, cnt - 1) * (Kc + 4) + k_lane;
 }
 
-
 // One super-chunk (256 K) of NVFP4 codes / scales for the warp's tiles: [tile][super-chunk][chunk][lane][16 B]
 // codes, [tile][super-chunk][lane][8 B] scales.
 __device__ __forceinline__ void load_nvfp4(uint4 (&cb)[ROWT][4], uint2 (&sb)[ROWT], const u8* code, const u8* scale,
@@ -561,9 +560,10 @@ struct Cols {
 // The warp's two row tiles over this block's K range with N 8-column tiles (cnt <= 8 N), then (after grid_wait():
 // FC1's shared-expert items reach it first here) out[p, row] = acc * 2^e * row factor * weight.
 template <int N>
-__device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K, int Kc, const Cols& cols, const u16* xs,
-                          const float* mult, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode,
-                          const u8* sscale, const float* wts, float* out, long out_stride) {
+__device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
+                                          const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
+                                          const float* rrow, const u8* scode, const u8* sscale, const float* wts,
+                                          float* out, long out_stride) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
   const int row = b.row0 + warp * 32;  // first row of the warp's tiles
   const int cnt = cols.cnt;
