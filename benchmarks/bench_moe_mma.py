@@ -9,10 +9,10 @@ moe_stage_x), and those routing + staging launches alone, (c) the old routing + 
 (touched NVFP4 + MXFP8 bytes at 4.28 TB/s) and each path's fraction of it. Settings to compare: --decode
 (0: prmt to f16, 1: prmt to E4M3 + cvt), --natural (1: the routed experts read in their own layout, no
 prepacked copy; with decode 0 only) and --pdl (the kernels launched as programmatic dependent launches, at every T:
-"fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice) and --fc1-min-ctas (0: FC1's own
-register choice; n: n CTAs an SM forced, at every T); each setting's whole op (megamoe with
-its routing launch, "megamoe") is timed too, and its output compared bitwise with the first setting's of the same
-decode / natural.
+"fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice) and --fc1-min-ctas (-1, the
+default: moe_cuda.FC1_MIN_CTAS's per-build choice; 0: FC1's own register choice; n: n CTAs an SM forced, at every
+T); each setting's whole op (megamoe with its routing launch, "megamoe") is timed too, and its output compared
+bitwise with the first setting's of the same decode / natural.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1] [--natural 0 1]
     [--pdl none default fc1,act,fc2,combine] [--fc1-min-ctas 0 4]
@@ -57,7 +57,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
     cfg = moe.cfg
     w13, w2, s13, s2 = mm.weights()
     triton_out = moe_prefill(x, ids, w, w13, w2, s13, s2)
-    stage_x = moe_cuda.mma_specs(H, INTER, S, "bf16", 1 if t <= 8 else 2)[0]
+    stage_x = moe_cuda.mma_specs(H, INTER, S, "bf16", 1 if t <= 8 else 2, t > 16)[0]
 
     def route_new():
         return moe_cuda.route_stage(x, mm.gate_w32, mm.bias, K, cfg.routed_scaling_factor, cfg.norm_topk_prob)
@@ -78,21 +78,24 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
         finally:
             megamoe_mod.CUDA_ROUTE = True
 
-    new_r, old_r = route_new(), route_old()
+    one_launch = t <= moe_cuda.ROUTE_MAX_TOKENS  # above, megamoe routes with the GEMV + fused_route either way
+    new_r, old_r = route_new() if one_launch else None, route_old()
     base = {"T": t, "experts": touched, "floor_ms": floor_ms,
             "triton_err": float((triton_out.float() - truth).norm() / truth.norm()),
             "triton_experts_ms": bench_graph(lambda: moe_prefill(x, ids, w, w13, w2, s13, s2)),
             "megamoe_ms": whole_op(True), "megamoe_old_route_ms": whole_op(False),
-            "route_stage_ms": bench_graph(route_new), "route_old_ms": bench_graph(route_old),
-            "route_ids_equal": bool(torch.equal(new_r[0], old_r[0])),
-            "route_w_maxrel": float(((new_r[1] - old_r[1]).abs() / old_r[1].abs()).max()),
-            "staging_equal": bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3]))}
+            "route_stage_ms": bench_graph(route_new) if new_r else float("nan"),
+            "route_old_ms": bench_graph(route_old)}
+    if new_r:
+        base.update(route_ids_equal=bool(torch.equal(new_r[0], old_r[0])),
+                    route_w_maxrel=float(((new_r[1] - old_r[1]).abs() / old_r[1].abs()).max()),
+                    staging_equal=bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3])))
     rows = []
     saved = moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS
     first: dict[tuple[int, int], torch.Tensor] = {}
     try:
         for dec, nat, pdl, mc in settings:
-            moe_cuda.FC1_MIN_CTAS = {1: mc, 2: mc} if mc else {}
+            moe_cuda.FC1_MIN_CTAS = saved[3] if mc < 0 else {1: mc, 2: mc, "wide": mc}
             kernels = tuple(f"moe_{k}" for k in pdl.replace("moe_", "").split(",") if k != "none")
             moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
             moe_cuda.PDL = saved[2] if pdl == "default" else {1: kernels, 2: kernels}
@@ -129,7 +132,7 @@ def main() -> None:
     ap.add_argument("--natural", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--pdl", nargs="+", default=["default"],
                     help="kernels launched programmatically, comma-separated (fc1,act,fc2,combine), none or default")
-    ap.add_argument("--fc1-min-ctas", type=int, nargs="+", default=[0])
+    ap.add_argument("--fc1-min-ctas", type=int, nargs="+", default=[-1])
     args = ap.parse_args()
     settings = [(d, n, p, m) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
                 for m in args.fc1_min_ctas]

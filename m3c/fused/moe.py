@@ -2,7 +2,7 @@
 
 Semantics: ``MegaMoE(...)(x)`` equals ``m3c.model_defs.layers.MoE.forward(x)`` (up to float rounding of the
 activation dtype). On a GPU (or under Triton's interpreter) it runs the MegaMoE kernels through
-:func:`m3c.backends.kernels.megamoe.megamoe`: device routing, then for T <= 16 on an sm_89+ GPU the CUDA C++
+:func:`m3c.backends.kernels.megamoe.megamoe`: device routing, then for T <= 64 on an sm_89+ GPU the CUDA C++
 decode kernels (:mod:`m3c.backends.kernels.moe_cuda`; their prepacked weights are built at the first call, so
 call once before capturing a CUDA graph), else the grouped-GEMM expert kernels (``decode_kernel=True`` picks
 the one-launch Triton decode kernel for T <= 64, with a workspace kept per token count); elsewhere (plain CPU)

@@ -4,14 +4,14 @@ Semantics: ``megamoe(x, ...)`` equals ``m3c.model_defs.layers.MoE.forward(x)`` f
 experts are NVFP4 and whose shared expert (if any) is MXFP8 or bf16: sigmoid router + correction bias,
 stable top-k, normalized × scaled weights, SwiGLU experts, weighted combine, + shared expert.
 
-Dispatch (by measurement on the H200, benchmarks/RESULTS.md): on a CUDA device, T <= 16 tokens run the CUDA C++
+Dispatch (by measurement on the H200, benchmarks/RESULTS.md): on a CUDA device, T <= 64 tokens run the CUDA C++
 decode kernels of :mod:`m3c.backends.kernels.moe_cuda` (prepacked NVFP4 decoded by byte permutes straight into
 mma.sync fragments; T = 1: 61 vs 170 µs for the experts) where the layout allows them; otherwise the experts run
-grouped GEMMs (NVFP4 decoded in the mainloop, the shared expert as extra tiles): above 16 tokens on sm_90 the
+grouped GEMMs (NVFP4 decoded in the mainloop, the shared expert as extra tiles): above 64 tokens on sm_90 the
 CUDA C++ wgmma kernels of :mod:`m3c.backends.kernels.moe_prefill_cuda` (:data:`PREFILL_WGMMA`), else the Triton
 kernels of :mod:`m3c.backends.kernels.moe_prefill`: CUDA-core GEMV tiles for T <= 3, weight-stationary
 tensor-core tiles to 16, above that token tiles.
-Routing for T <= 64: on the CUDA decode path (T <= 16; module flag ``CUDA_ROUTE``, on by default) ONE CUDA C++
+Routing for T <= 64: on the CUDA decode path for T <= 16 (module flag ``CUDA_ROUTE``, on by default) ONE CUDA C++
 launch (:func:`m3c.backends.kernels.moe_cuda.route_stage`: the float32 router GEMV split over ~200 CTAs, the last
 CTA merges in a fixed order and routes, T more CTAs stage the tokens for the expert kernels), so the whole op is 5
 launches; otherwise the router GEMV (float32, cuBLAS) + ONE launch
@@ -56,7 +56,7 @@ from m3c.model_defs import quant
 
 CUDA_ROUTE = True  # the CUDA decode path routes + stages in one launch (route_stage); False: GEMV + fused_route
 PREFILL_WGMMA = True
-"""Batches above the CUDA decode kernels' 16 tokens run the routed experts on the wgmma kernels of
+"""Batches above the CUDA decode kernels' 64 tokens run the routed experts on the wgmma kernels of
 :mod:`m3c.backends.kernels.moe_prefill_cuda` (sm_90 only, NVFP4 experts, MXFP8 / no shared expert, bf16 tokens)
 where they take the layout; else the Triton grouped GEMM. H200, m3.1-small (benchmarks/RESULTS.md, session 16):
 T = 4096 6.7 vs 9.9 ms, T = 512 1.37 vs 1.75 ms, T = 16384 26.1 vs 36.1 ms (same runs)."""
@@ -101,9 +101,9 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
                   w13_fmt: str, shared_fmt: str | None,
                   prefill_precision: str | None = None) -> list[KernelSpec | CudaKernelSpec]:
     """Every kernel spec :func:`megamoe` launches for this layout by default (GPU settings): the routing
-    (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 16 where the layout allows them (both
-    MMA column-tile counts; each followed by its one-launch routing + staging kernel where that takes the router, the
-    router weight in float32) and the grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as
+    (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 64 where the layout allows them (the
+    builds for 8, 16 and 64 tokens; the first two followed by their one-launch routing + staging kernel where that
+    takes the router, the router weight in float32) and the grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as
     :func:`megamoe` takes it; ``decode_kernel=True`` launches :func:`m3c.backends.kernels.moe_decode.decode_specs`
     too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
@@ -111,9 +111,9 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     if why is not None:
         raise ShapeError(f"MegaMoE does not support this layout: {why}")
     mma: list[CudaKernelSpec] = []
-    for nt, tokens in ((1, 1), (2, MMA_MAX_TOKENS)):  # the 8- and 16-token variants, each where it fits
+    for nt, tokens, wide in ((1, 1, False), (2, 9, False), (2, MMA_MAX_TOKENS, True)):  # 8, 16 and 64 tokens
         if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
-            mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt)
+            mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt, wide)
             if route_supported(hidden, experts, top_k, act_dtype, tokens) is None:
                 mma.append(route_stage_spec(hidden, experts, act_dtype, nt))
     if prefill_wgmma_unsupported(hidden, inter, shared_inter, act_dtype, w13_fmt, shared_fmt) is None:
@@ -123,7 +123,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
 
 
 def _mma_ok(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> bool:
-    """Whether the CUDA C++ decode kernels take this call (a CUDA device, T <= 16, NVFP4 experts, MXFP8 / no shared
+    """Whether the CUDA C++ decode kernels take this call (a CUDA device, T <= 64, NVFP4 experts, MXFP8 / no shared
     expert, a layout they support)."""
     if x.shape[0] > MMA_MAX_TOKENS or not isinstance(w13, quant.NVFP4Tensor) or cuda_kernel_device(x):
         return False
@@ -168,7 +168,7 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     wgmma grouped GEMMs' routed tiles (fp8: E4M3 weights, tokens and act, ~1.3x faster at T >= 4096 on the H200,
     ~5% relative error instead of ~0.5%; benchmarks/RESULTS.md); other paths are bf16 whatever it says.
 
-    Which path: on a CUDA device, T <= 16 runs the CUDA C++ decode kernels
+    Which path: on a CUDA device, T <= 64 runs the CUDA C++ decode kernels
     (:func:`m3c.backends.kernels.moe_cuda.moe_decode_mma`: NVFP4 decoded by byte permutes into mma.sync fragments,
     ~60% of the byte floor; 2.8x the Triton tiles at T = 1 on the H200, benchmarks/RESULTS.md) where the layout
     allows them; otherwise the grouped-GEMM (prefill) kernels, which beat the one-launch Triton decode kernel at every

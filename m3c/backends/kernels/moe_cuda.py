@@ -1,4 +1,4 @@
-"""MegaMoE decode on the tensor cores from CUDA C++ (``cuda/moe_decode_mma.cu``): 1 <= T <= 16 tokens.
+"""MegaMoE decode on the tensor cores from CUDA C++ (``cuda/moe_decode_mma.cu``): 1 <= T <= 64 tokens.
 
 Why CUDA C++: every Triton decode tiling measured on the H200 sat at 20-26% of the NVFP4 byte floor; the decoded
 weights went through shared memory to reach the MMA and each weight cost 6-8.5 SASS instructions (Nsight Compute,
@@ -24,7 +24,10 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
    tokens that picked its expert to shared memory, compacted (they are its MMA columns: one 8-column tile when at
    most 8 tokens picked it, else NT; the shared expert's CTAs take every token and stage them from x themselves, so
    they need nothing of step 0 and run first), then every warp streams two 16-row tiles (the next 256-K
-   super-chunk's 16-byte loads in flight while one is decoded): h[ks, pair, row] = partial sums.
+   super-chunk's 16-byte loads in flight while one is decoded): h[ks, pair, row] = partial sums. Above 16 tokens
+   (8 NT) the columns come in groups of 8 NT: a routed CTA runs its expert's groups one after another (a second
+   group only when more than 16 tokens picked the expert; it reads the CTA's weights again, from L2 where they
+   still are), the shared expert gets a CTA per group, the groups of one row block side by side in the grid.
 3. ``moe_act``: act = SiLU(gate) * up from h's splits (rounded to bf16 as the reference's bf16 model does), staged
    like the tokens, one CTA per (token, expert) pair.
 4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
@@ -70,8 +73,9 @@ ROUTE_MAX_EXPERTS = 256  # 32 x ESLOTS experts per routing warp (8 registers of 
 ROUTE_MAX_TOPK = 64  # the routing kernel's per-warp selection buffers
 _ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (132 SMs), all resident at once
 WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supported assume it
-MAX_TOKENS = 16  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
-# more than 8 of the tokens picked its expert, else one)
+MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
+# more than 8 of the tokens picked its expert, else one); 17..64: the wide NT = 2 build (column groups of 16)
+ROUTE_MAX_TOKENS = 16  # route_stage's register tiles (8 NT tokens); above, the router GEMV + fused_route
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -86,11 +90,13 @@ PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 the routing launch (module docstring, launch 2), FC2 finds its expert during act. Measured on the H200 (same run,
 benchmarks/RESULTS.md session 18): T = 16 2.2-2.5% faster, T = 4 ~1.5% (inside the noise), T = 1 the experts alone
 ~5 us slower (cause not measured), so only the two-tile (T > 8) build uses it."""
-FC1_MIN_CTAS: dict[int, int] = {2: 4}
-"""Per NT, FC1 CTAs an SM the compiler must fit (``__launch_bounds__`` minimum; left to itself it takes 167 registers
-at NT = 2, i.e. 3 CTAs an SM). Forcing 4 at NT = 2 (128 registers, 3 spilled words then; 4 since session 21's
-one- or two-tile choice per CTA) made FC1 10.5% faster at T = 16,
-8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output; benchmarks/RESULTS.md session 18)."""
+FC1_MIN_CTAS: dict[int | str, int] = {2: 4, "wide": 0}
+"""Per build (NT, or "wide" for 17..64 tokens), FC1 CTAs an SM the compiler must fit (``__launch_bounds__`` minimum,
+0: the compiler's choice). Left to itself it takes 167 registers at NT = 2, i.e. 3 CTAs an SM. Forcing 4 at NT = 2
+(128 registers, 3 spilled words then; 4 since session 21's one- or two-tile choice per CTA) made FC1 10.5% faster at
+T = 16, 8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output; benchmarks/RESULTS.md session 18). The wide
+build's loop over column groups spills 18 words at 4 (168 registers and none at its own choice): its own choice
+measured 4% faster at T = 64, 3% at T = 32, the same at T = 24 (session 23)."""
 _ROWS_PER_CTA = 32 * WARPS
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
@@ -107,6 +113,11 @@ def _splits(hidden: int, shared_inter: int, nt: int) -> tuple[int, int, int]:
 def _nt(tokens: int) -> int:
     """8-token MMA column tiles for T tokens."""
     return 1 if tokens <= 8 else 2
+
+
+def _wide(tokens: int) -> bool:
+    """Whether T tokens need the wide build (more than 16: its CTAs loop over column groups of 16)."""
+    return tokens > 16
 
 
 def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
@@ -160,18 +171,22 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
     return 8 * nt * (max(inter, shared_inter) + 4) * 2
 
 
-def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1) -> tuple[CudaKernelSpec, ...]:
-    """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens)."""
+def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
+              wide: bool = False) -> tuple[CudaKernelSpec, ...]:
+    """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens);
+    ``wide``: the build for up to :data:`MAX_TOKENS` tokens (NT = 2; its CTAs loop over column groups of 16), else
+    for 8 NT."""
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      FC1_MIN_CTAS.get(nt, 0))
+                      FC1_MIN_CTAS.get("wide" if wide else nt, 0), MAX_TOKENS if wide else 8 * nt)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
-               natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0
+               natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0
                ) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
-         *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()))
+         *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
+         *((("TMAX", tmax),) if tmax > 8 * nt else ()))
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)
@@ -189,8 +204,8 @@ def route_supported(hidden: int, experts: int, top_k: int, act_dtype: str, token
     """None if :func:`route_stage` takes this router layout and token count, else the reason."""
     if act_dtype not in ("bf16", "fp32"):
         return f"activations are {act_dtype}: bf16 or float32 only"
-    if not 1 <= tokens <= MAX_TOKENS:
-        return f"T = {tokens}: the routing kernel takes 1..{MAX_TOKENS} tokens"
+    if not 1 <= tokens <= ROUTE_MAX_TOKENS:
+        return f"T = {tokens}: the routing kernel takes 1..{ROUTE_MAX_TOKENS} tokens"
     if not 1 <= experts <= ROUTE_MAX_EXPERTS or not 1 <= top_k <= min(experts, ROUTE_MAX_TOPK):
         return (f"{experts} experts, top-{top_k}: the routing kernel takes at most {ROUTE_MAX_EXPERTS} experts "
                 f"and top-{ROUTE_MAX_TOPK}")
@@ -228,9 +243,9 @@ def _route_workspace(device: torch.device, experts: int, ksplit: int) -> tuple[t
     """(partial sums [16 E KSPLIT], a zeroed int32 counter, logits scratch [16 E]) kept per device and layout: the
     kernel leaves the counter at zero, so CUDA-graph replays need nothing reset."""
     return persistent(("moe_route_stage", str(device), experts, ksplit),
-                      lambda: (torch.empty(MAX_TOKENS * experts * ksplit, dtype=torch.float32, device=device),
+                      lambda: (torch.empty(ROUTE_MAX_TOKENS * experts * ksplit, dtype=torch.float32, device=device),
                                torch.zeros(1, dtype=torch.int32, device=device),
-                               torch.empty(MAX_TOKENS * experts, dtype=torch.float32, device=device)))
+                               torch.empty(ROUTE_MAX_TOKENS * experts, dtype=torch.float32, device=device)))
 
 
 def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -339,7 +354,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                    w2: NVFP4Tensor, shared_w13: Any, shared_w2: Any, *, runner: Runner = jit_run,
                    out: torch.Tensor | None = None, x16: torch.Tensor | None = None,
                    xmult: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed NVFP4 experts (+ MXFP8 shared expert) for T <= 16 tokens: out [T, H] in x's dtype (bf16 / float32).
+    """Routed NVFP4 experts (+ MXFP8 shared expert) for T <= 64 tokens: out [T, H] in x's dtype (bf16 / float32).
 
     ``topk_ids`` int64 / ``topk_weights`` float32 [T, k] (from :func:`~m3c.backends.kernels.moe_routing.fused_route`
     or ``MoE.route``), ``w13`` NVFP4 [E, 2I, H], ``w2`` NVFP4 [E, H, I], the shared pair MXFP8 ([2S, H], [H, S])
@@ -379,7 +394,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     ks1, ks1s, ks2s = _splits(hidden, s, nt)
     if not {ks1, ks1s} <= {1, 2, 4, 8}:  # moe_act sums FC1's splits by templates for these counts only
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
-    stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt)
+    stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt, _wide(t))
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
     if x.is_cuda and torch.cuda.is_current_stream_capturing() and not is_prepacked(*packed):
         raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "
@@ -418,11 +433,12 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     xa = _aligned(x.contiguous())  # FC1's shared-expert items stage the tokens from x (16-byte vector loads)
     if not staged:
         runner(stage_x, (t,), [xa, hidden, x16, xmult])
-    grid1 = (n_slots * two_i // _ROWS_PER_CTA * ks1 + 2 * s // _ROWS_PER_CTA * ks1s,)
+    groups = -(-t // (8 * nt))  # the shared expert's column groups (a CTA each); routed CTAs loop over theirs
+    grid1 = (n_slots * two_i // _ROWS_PER_CTA * ks1 + 2 * s // _ROWS_PER_CTA * ks1s * groups,)
     runner(fc1, grid1, [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
                         hidden, ks1, ks1s, h, pairs, rows_ws])
     runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
-    grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s if shared else 0),)
+    grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s * groups if shared else 0),)
     runner(fc2, grid2, [act16, amult, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden,
                         ks2s, pairs, rows_ws, y])
     runner(comb, (triton.cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])

@@ -94,8 +94,8 @@ def test_prepack_rejects_bad_shapes() -> None:
 
 def test_supported_reasons() -> None:
     assert moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 1) is None
-    assert moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 16) is None
-    assert "1..16" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 17)
+    assert moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 64) is None
+    assert "1..64" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 65)
     assert "MXFP8 or none" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "bf16", 1)
     assert "multiples of 256" in moe_cuda.mma_supported(6144 + 128, 1536, 64, 8, 1536, "bf16", "nvfp4", None, 1)
     # H = 256 x 29: one FC1 K split, so 16 staged tokens need 237,696 bytes of shared memory (> 227 KB); 8 fit
@@ -177,6 +177,21 @@ def mxfp8(*shape: int) -> quant.MXFP8Tensor:
                              torch.empty(*shape[:-1], shape[-1] // 32, dtype=torch.uint8, device="meta"))
 
 
+def test_wide_build_compiles_without_spills() -> None:
+    """17..64 tokens: the wide NT = 2 build (TMAX = 64, its CTAs loop over column groups of 16) is its own set of
+    binaries, FC1 at the compiler's register choice (FC1_MIN_CTAS["wide"] = 0), and neither GEMV kernel spills."""
+    narrow = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 2)
+    wide = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 2, wide=True)
+    assert all(dict(sp.defines).get("TMAX") == 64 for sp in wide) and "TMAX" not in dict(narrow[1].defines)
+    assert "FC1_MIN_CTAS" not in dict(wide[1].defines) and ("FC1_MIN_CTAS", 4) in narrow[1].defines
+    assert not {sp.key() for sp in wide} & {sp.key() for sp in narrow}
+    assert [sp.shared_bytes for sp in wide] == [sp.shared_bytes for sp in narrow]  # 16 columns staged at a time
+    for spec in (wide[1], wide[3]):
+        sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
+        sass = sass.split("Function :")[0]
+        assert "HMMA.16816.F32" in sass and "STL" not in sass, spec.kernel
+
+
 def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """NATURAL: FC1 / FC2 get the routed experts' own codes and scales (no prepacked copy made), the shared expert
     stays prepacked; misaligned or mis-shaped routed weights and DECODE = 1 are refused before any launch (meta and
@@ -233,7 +248,7 @@ def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode", [0, 1])
-@pytest.mark.parametrize("t", [1, 3, 8, 13, 16])
+@pytest.mark.parametrize("t", [1, 3, 8, 13, 16, 17, 40, 64])
 @pytest.mark.parametrize("shared", ["mxfp8", "none"])
 def test_moe_decode_mma_matches_reference(t: int, shared: str, decode: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe_cuda, "DECODE", decode)
@@ -267,7 +282,7 @@ def test_natural_layout_matches_prepacked_without_a_copy(t: int, monkeypatch: py
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 6, 13])
+@pytest.mark.parametrize("t", [1, 6, 13, 40])
 @pytest.mark.parametrize("shared", ["mxfp8", "none"])
 def test_dependent_launches_match_plain_launches_and_graph_replays(t: int, shared: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,12 +312,13 @@ def test_dependent_launches_match_plain_launches_and_graph_replays(t: int, share
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t, hot", [(16, 16), (12, 9), (16, 8), (5, 5)])
+@pytest.mark.parametrize("t, hot", [(16, 16), (12, 9), (16, 8), (5, 5), (64, 64), (40, 33), (24, 17), (64, 16)])
 def test_hot_expert_columns(t: int, hot: int) -> None:
     """Each CTA runs only the tokens that picked its expert, as compacted MMA columns (one 8-column tile when at most
-    8 did, two when more): an expert picked by `hot` tokens (the first `hot` of them, slot 0), the other slots
-    distinct random experts, must match the reference routed the same way, token by token (a token dropped from
-    an expert's columns, or mapped back to another token's row, would be far off)."""
+    8 did, two when more, column groups of 16 one after another above 16): an expert picked by `hot` tokens (the
+    first `hot` of them, slot 0), the other slots distinct random experts, must match the reference routed the same
+    way, token by token (a token dropped from an expert's columns, or mapped back to another token's row, would be
+    far off)."""
     moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     ids = torch.stack([torch.randperm(63, generator=gen)[:8] + 1 for _ in range(t)])  # experts 1..63
@@ -340,8 +356,10 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     specs = megamoe_specs(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
     cuda = [s for s in specs if isinstance(s, CudaKernelSpec)]
     names = ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine", "moe_route_stage"]
-    assert [s.kernel for s in cuda] == names * 2 + ["moe_pf_fc1", "moe_pf_fc2"]  # NT = 1 and 2, the wgmma prefill
-    assert len({s.key() for s in cuda}) == 14
+    # NT = 1 and 2 with their routing launch, the wide build (17..64 tokens: routed by fused_route), the wgmma prefill
+    assert [s.kernel for s in cuda] == names * 2 + names[:5] + ["moe_pf_fc1", "moe_pf_fc2"]
+    assert len({s.key() for s in cuda}) == 19
+    assert [dict(s.defines).get("TMAX") for s in cuda[12:17]] == [64] * 5
     got = compile_kernels(cuda[:2])
     assert [k.key for k in got] == [s.key() for s in cuda[:2]] and got[1].shared_bytes == cuda[1].shared_bytes
     assert got[1].arg_types[:4] == ["*u8", "*u8", "*u8", "i32"]  # fc1: x, x16, xmult, T
@@ -352,8 +370,8 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
 
 @pytest.mark.parametrize("cuda_route", [True, False])
 def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """T <= 16 on a CUDA device goes to the CUDA kernels (routing + staging in one CUDA launch with ``CUDA_ROUTE``,
-    else the GEMV + fused_route + moe_stage_x); every launch is a spec the offline lowering compiled (meta tensors
+    """T <= 64 on a CUDA device goes to the CUDA kernels (routing + staging in one CUDA launch with ``CUDA_ROUTE`` up
+    to 16 tokens, else the GEMV + fused_route + moe_stage_x); every launch is a spec the offline lowering compiled (meta tensors
     stand in for the GPU: no data, no sync), with the grids the kernels expect."""
     from m3c.backends.kernels import megamoe as mm_mod
     from m3c.backends.kernels import moe_routing
@@ -365,45 +383,51 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
     listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, s, "bf16", "nvfp4", "mxfp8")}
     monkeypatch.setattr(mm_mod, "_mma_ok", lambda x, w13, sw13, top_k: x.shape[0] <= moe_cuda.MAX_TOKENS)
     monkeypatch.setattr(mm_mod, "CUDA_ROUTE", cuda_route)
-    first = "moe_route_stage" if cuda_route else "moe_stage_x"
 
     w13, w2 = nvfp4(e, 2 * inter, h), nvfp4(e, h, inter)
     s13, s2 = mxfp8(2 * s, h), mxfp8(h, s)
-    for t in (1, 8, 9, 16):
+    for t in (1, 8, 9, 16, 17, 40, 64):
         seen: list = []
         x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
         megamoe(x, torch.empty(e, h, device="meta"), torch.empty(e, device="meta"), w13, w2, s13, s2, top_k=k,
                 routed_scaling_factor=2.5, norm_topk_prob=True,
                 runner=lambda sp, grid, args, seen=seen: seen.append((sp, grid, args)))
         kernels = [sp.kernel for sp, _, _ in seen if getattr(sp, "kernel", None)]
-        assert kernels == [first, "moe_fc1", "moe_act", "moe_fc2", "moe_combine"], (t, kernels)
-        assert len(seen) == (5 if cuda_route else 6), t  # the old path also launches fused_route (Triton)
+        routed_here = cuda_route and t <= 16  # above 16 tokens: GEMV + fused_route + moe_stage_x
+        assert kernels == ["moe_route_stage" if routed_here else "moe_stage_x", "moe_fc1", "moe_act", "moe_fc2",
+                           "moe_combine"], (t, kernels)
+        assert len(seen) == (5 if routed_here else 6), t  # the old path also launches fused_route (Triton)
         assert all(sp.key() in listed for sp, _, _ in seen), t
-        nt = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == "moe_fc1").defines)["NT"]
-        assert nt == (1 if t <= 8 else 2)
+        defines = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == "moe_fc1").defines)
+        nt = defines["NT"]
+        assert nt == (1 if t <= 8 else 2) and defines.get("TMAX") == (64 if t > 16 else None), t
         for sp, _grid, args in seen:
             if getattr(sp, "kernel", None):
                 assert len(args) == len(sp.arg_types), sp.kernel
         fc1_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc1")
-        ks1 = 2 * nt
-        assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1
-        if cuda_route:
+        fc2_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc2")
+        ks1, groups = 2 * nt, -(-t // 16) if t > 8 else 1  # the shared expert: a CTA per column group of 16
+        assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1 * groups
+        assert fc2_grid[0] == min(e, t * k) * (h // 128) + (h // 128) * 2 * groups
+        if routed_here:
             grid0 = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_route_stage")
             assert grid0 == (t + (e // 8) * moe_cuda.route_split(h, e)[1],)
 
 
 @pytest.mark.gpu
-def test_out_of_range_expert_id_gives_nan_not_garbage() -> None:
+@pytest.mark.parametrize("t", [3, 40])
+def test_out_of_range_expert_id_gives_nan_not_garbage(t: int) -> None:
     """A routed id outside [0, E) (what NaN router logits select) has no CTA writing its rows: that token is NaN,
     the others are unaffected."""
-    _, mm, x, ids, w = _case(3, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
+    _, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
     w13, w2, s13, s2 = mm.weights()
     good = moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2)
     bad_ids = ids.clone()
     bad_ids[1, 3] = 64
     out = moe_cuda.moe_decode_mma(x, bad_ids, w.float(), w13, w2, s13, s2)
     assert torch.isnan(out[1]).all()
-    assert torch.equal(out[0], good[0]) and torch.equal(out[2], good[2])
+    keep = torch.arange(t, device=out.device) != 1
+    assert torch.equal(out[keep], good[keep])
 
 
 @pytest.mark.gpu

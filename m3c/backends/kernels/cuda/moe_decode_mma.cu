@@ -1,8 +1,9 @@
-// MegaMoE decode (1 <= T <= 8 * NT tokens) for sm_90: NVFP4 routed experts + MXFP8 shared expert, weights streamed
+// MegaMoE decode (1 <= T <= TMAX tokens) for sm_90: NVFP4 routed experts + MXFP8 shared expert, weights streamed
 // once from a prepacked layout, decoded in registers straight into mma.sync m16n8k16 f16 A fragments (weights are
 // the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. No system headers (only
 // ptx_common.cuh): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (the most
-// 8-column MMA tiles a CTA runs: T <= 8 NT; a CTA runs one when at most 8 tokens picked its expert), ACT_BF16
+// 8-column MMA tiles a CTA runs at once: a CTA runs one when at most 8 tokens picked its expert; more than 8 NT run
+// as column groups of 8 NT, one after another (routed) or as more CTAs (shared expert)), TMAX (tokens), ACT_BF16
 // (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt), NATURAL
 // (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] / [E, rows, K / 16] layout, decoded by
 // ptx_common's decode8; the shared MXFP8 expert stays prepacked).
@@ -40,7 +41,12 @@
 #else
 #define FC1_BOUNDS FC_BOUNDS
 #endif
-#define MAXT (8 * NT)
+#define MAXT (8 * NT)  // MMA columns a CTA runs at once (one column group)
+#ifndef TMAX
+#define TMAX MAXT  // tokens a launch takes (moe_cuda: 8 NT, or MAX_TOKENS for the wide build); find_tokens compacts
+#endif             // them 32 a warp
+#define GROUPS ((TMAX + MAXT - 1) / MAXT)  // column groups a CTA may run (1: the loop over them is straight code)
+static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
 
 #include "ptx_common.cuh"
 #include "moe_tokens.cuh"
@@ -179,21 +185,28 @@ struct Block {   // what one CTA works on
   int expert;    // routed expert id, or -1 for the shared expert
   int row0;      // first weight row of the CTA (within the expert's rows)
   int ks, KS;    // K split index and count
+  int grp;       // shared expert: its column group (tokens MAXT grp ..); routed: -1, every group in turn
 };
 
 // Work item `item`: routed (expert slot x row block x KSr splits) items first, then shared (row block x KSs
-// splits; ids not read). Returns false if the item's expert slot is unused (fewer experts touched than slots).
-__device__ bool find_block(Block& b, int item, const long long* ids, int n_ids, int E, int n_slots, int rows,
+// splits x column groups of MAXT of the T tokens, the groups innermost: the CTAs that read the same weights run
+// side by side and share them through L2; ids not read). Returns false if the item's expert slot is unused (fewer
+// experts touched than slots).
+__device__ bool find_block(Block& b, int item, const long long* ids, int T, int topk, int E, int n_slots, int rows,
                            int srows, int KSr, int KSs, u32* flags) {
-  const int per = rows / (32 * WARPS);
+  const int per = rows / (32 * WARPS), n_ids = T * topk;
   if (item >= n_slots * per * KSr) {
     item -= n_slots * per * KSr;
+    const int groups = GROUPS == 1 ? 1 : (T + MAXT - 1) / MAXT;
     b.expert = -1;
     b.KS = KSs;
+    b.grp = item % groups;
+    item /= groups;
     b.ks = item % KSs;
     b.row0 = (item / KSs) * 32 * WARPS;
     return b.row0 < srows;
   }
+  b.grp = -1;
   b.KS = KSr;
   b.ks = item % KSr;
   item /= KSr;
@@ -224,7 +237,9 @@ __device__ bool find_block(Block& b, int item, const long long* ids, int n_ids, 
 // The tokens this block works on, compacted: pair[n] = the row of h / y of token n (routed: n * topk + slot or -1;
 // shared: T * topk + n), tok[c] = the c-th token with a pair (in token order), *cnt their number. The MMA's columns
 // are c < cnt, so a routed expert that 3 of 16 tokens picked runs one 8-column tile and stages 3 rows, not 16.
-__device__ void find_tokens(int* pair, int* tok, int* cnt, const long long* ids, int T, int topk, int expert) {
+// `masks`: WARPS words of shared scratch.
+__device__ void find_tokens(int* pair, int* tok, int* cnt, u32* masks, const long long* ids, int T, int topk,
+                            int expert) {
   for (int n = threadIdx.x; n < T; n += blockDim.x) {
     int p = -1;
     if (expert < 0) {
@@ -236,13 +251,27 @@ __device__ void find_tokens(int* pair, int* tok, int* cnt, const long long* ids,
     pair[n] = p;
   }
   __syncthreads();
-  if (threadIdx.x < 32) {  // T <= 32: one warp compacts by ballot
+#if TMAX <= 32
+  if (threadIdx.x < 32) {  // one warp compacts by ballot
     const int n = threadIdx.x;
     const bool has = n < T && pair[n] >= 0;
     const u32 mask = __ballot_sync(0xffffffffu, has);
     if (has) tok[__popc(mask & ((1u << n) - 1u))] = n;
     if (n == 0) *cnt = __popc(mask);
   }
+#else
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = threadIdx.x, warps = (T + 31) >> 5;
+  const bool has = n < T && pair[n] >= 0;  // warp w compacts tokens 32 w .. 32 w + 31 by ballot
+  const u32 mask = warp < warps ? __ballot_sync(0xffffffffu, has) : 0u;
+  if (lane == 0) masks[warp] = mask;
+  __syncthreads();
+  if (warp < warps) {
+    int base = 0;
+    for (int w = 0; w < warp; ++w) base += __popc(masks[w]);
+    if (has) tok[base + __popc(mask & ((1u << lane) - 1u))] = n;
+    if (warp == warps - 1 && lane == 0) *cnt = base + __popc(mask);
+  }
+#endif
   __syncthreads();
 }
 
@@ -288,11 +317,14 @@ __device__ void stage_rows(const u16* src, const float* src_mult, const int* row
 }
 
 // Stage the tokens straight from x (FC1's shared-expert items, before grid_wait(); bitwise what moe_stage_x and
-// moe_route_stage write: the max is exact, the scaling by 2^-e too): xs[n, :Kc] = f16(x[n, k0 : k0 + Kc] 2^-e(n)),
-// mult[n] = 2^e(n) for every token n < T (H % 128 == 0). `down` holds T floats of scratch.
-__device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* xs, float* mult, float* down) {
+// moe_route_stage write: the max is exact, the scaling by 2^-e too): xs[c, :Kc] = f16(x[n0 + c, k0 : k0 + Kc]
+// 2^-e), mult[c] = 2^e for the tokens c < cnt of a column group from token n0 (H % 128 == 0). `down` holds cnt
+// floats of scratch.
+__device__ void stage_direct(const void* x, int n0, int cnt, int H, int k0, int Kc, u16* xs, float* mult,
+                             float* down) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int n = warp; n < T; n += WARPS) {  // a warp per token: its largest magnitude over all of H
+  x = (const u8*)x + (long)n0 * H * (ACT_BF16 ? 2 : 4);
+  for (int n = warp; n < cnt; n += WARPS) {  // a warp per token: its largest magnitude over all of H
     float m = 0.f;
 #pragma unroll 4
     for (int k = 4 * lane; k < H; k += 128) {
@@ -308,7 +340,7 @@ __device__ void stage_direct(const void* x, int T, int H, int k0, int Kc, u16* x
   }
   __syncthreads();
   for_pieces<float4>(
-      T, Kc / 4, [&](int n, int q) { return load_act4(x, (long)n * H + k0 + 4 * q); },
+      cnt, Kc / 4, [&](int n, int q) { return load_act4(x, (long)n * H + k0 + 4 * q); },
       [&](int n, int q, float4 v) {
         const float dn = down[n];
         *(uint2*)(xs + n * (Kc + 4) + 4 * q) = make_uint2(f32x2_to_f16x2(v.x * dn, v.y * dn),
@@ -624,6 +656,58 @@ __device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, 
   run_tiles<1>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride);
 }
 
+// A block's column groups, MAXT columns each, over its compacted columns [c0, c1): routed blocks every group of their
+// cnt columns in turn (more than one only when more than MAXT tokens picked the expert: each further group reads the
+// CTA's weights again, from L2 where they still are), shared blocks their own group of the T tokens. The block and
+// its range wait in shared memory, read back (volatile) at each group: with them in registers across the GEMV,
+// offline sm_90a, FC2 at NT 2 took 221-243 registers instead of 168. Even so a loop over groups makes FC1 spill
+// (88 bytes at NT 1, 184 at NT 2) and the narrow builds 2-4% slower (T = 4, 16 on the H200), so only the wide build
+// (GROUPS > 1) loops (for_groups); the others run their one group as before.
+struct Groups {
+  Block b;
+  int c0, c1;
+};
+
+__device__ __forceinline__ void put_groups(Groups* gs, const Block& b, int cnt) {
+  if (threadIdx.x == 0) {
+    gs->b = b;
+    gs->c0 = b.grp < 0 ? 0 : b.grp * MAXT;
+    gs->c1 = b.grp < 0 ? cnt : min(cnt, gs->c0 + MAXT);
+  }
+  __syncthreads();
+}
+
+// Group i of the block (false past its last): the block and the group's first column / column count.
+__device__ __forceinline__ bool get_group(const Groups* gs, int i, Block& b, int& c0, int& n) {
+  const volatile Groups* v = gs;
+  c0 = v->c0 + i * MAXT;
+  n = min(MAXT, v->c1 - c0);
+  b.expert = v->b.expert;
+  b.row0 = v->b.row0;
+  b.ks = v->b.ks;
+  b.KS = v->b.KS;
+  b.grp = v->b.grp;
+  return n > 0;
+}
+
+// run(block, c0, n) for each column group of the block (cnt columns): one call in the narrow builds (GROUPS == 1:
+// the shared expert's only group, or a routed expert's cnt <= MAXT columns), else through shared memory as above,
+// with a barrier between groups (the next one overwrites the staged columns).
+template <class Run>
+__device__ __forceinline__ void for_groups(Groups* gs, const Block& b, int cnt, Run run) {
+#if GROUPS == 1
+  run(b, 0, cnt);
+#else
+  put_groups(gs, b, cnt);
+  Block g;
+  int c0, n;
+  for (int i = 0; get_group(gs, i, g, c0, n); ++i) {
+    if (i) __syncthreads();
+    run(g, c0, n);
+  }
+#endif
+}
+
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
 // expert's items come first in the grid and run their GEMV before grid_wait() (during the routing launch), staging
 // the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens) and stage
@@ -634,27 +718,48 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
         const u8* sscale, int srows, int H, int KSr, int KSs, float* h, int P, int ROWS, void* scratch0,
         void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
-  __shared__ u32 flags[32];
+  __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT], down[MAXT];
-  __shared__ int pair[MAXT], tok[MAXT], cnt;
+  __shared__ int pair[TMAX], tok[TMAX], cnt;
+  __shared__ Groups gs;
   grid_launch_dependents();  // moe_act waits for all of FC1
-  const int shared_items = srows / (32 * WARPS) * KSs, routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
+  const int groups = GROUPS == 1 ? 1 : (T + MAXT - 1) / MAXT;  // the shared expert's column groups
+  const int shared_items = srows / (32 * WARPS) * KSs * groups, routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
   const bool shared = (int)blockIdx.x < shared_items;
   const int item = shared ? routed_items + blockIdx.x : blockIdx.x - shared_items;
   if (!shared) grid_wait();
   Block b;
-  if (!find_block(b, item, ids, T * topk, E, n_slots, rows, srows, KSr, KSs, flags)) return;
+  if (!find_block(b, item, ids, T, topk, E, n_slots, rows, srows, KSr, KSs, flags)) return;
   const int Kc = H / b.KS;
   prefetch_first(b, b.expert >= 0 ? rows : srows, H, Kc, rcode, scode);
-  find_tokens(pair, tok, &cnt, ids, T, topk, b.expert);
+  find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
   u16* xs = (u16*)smem;
-  if (shared) {  // every token: column c is token c
-    stage_direct(x, T, H, b.ks * Kc, Kc, xs, mult, down);
+#if GROUPS == 1
+  if (shared) {
+    stage_direct(x, 0, T, H, b.ks * Kc, Kc, xs, mult, down);
   } else {
     stage_rows(x16, xmult, tok, cnt, H, b.ks * Kc, Kc, xs, mult);
   }
   run_cols(b, b.expert >= 0 ? rows : srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode,
            sscale, nullptr, h + (long)b.ks * P * ROWS, ROWS);
+#else
+  if (shared) {  // its one column group (tokens MAXT grp ..), as straight code: the expert known to be the shared one
+    Block g = b;
+    g.expert = -1;
+    const int c0 = g.grp * MAXT, n = min(MAXT, T - c0);
+    stage_direct(x, c0, n, H, g.ks * Kc, Kc, xs, mult, down);
+    run_cols(g, srows, H, Kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
+             h + (long)g.ks * P * ROWS, ROWS);
+    return;
+  }
+  for_groups(&gs, b, cnt, [&](const Block& g, int c0, int n) {  // a routed expert's groups in turn
+    __builtin_assume(g.expert >= 0);
+    const int kc = H / g.KS;
+    stage_rows(x16, xmult, tok + c0, n, H, g.ks * kc, kc, xs, mult);
+    run_cols(g, rows, H, kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
+             h + (long)g.ks * P * ROWS, ROWS);
+  });
+#endif
 }
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs). Before
@@ -664,22 +769,32 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
         int S, int H, int KSs, int P, int ROWS, float* y, void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
-  __shared__ u32 flags[32];
+  __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT];
-  __shared__ int pair[MAXT], tok[MAXT], rowof[MAXT], cnt;
+  __shared__ int pair[TMAX], tok[TMAX], rowof[TMAX], cnt;
+  __shared__ Groups gs;
   Block b;
-  if (!find_block(b, blockIdx.x, ids, T * topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
+  if (!find_block(b, blockIdx.x, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
   const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
   prefetch_first(b, H, K, Kc, rcode, scode);
-  find_tokens(pair, tok, &cnt, ids, T, topk, b.expert);
+  find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
   for (int c = threadIdx.x; c < cnt; c += blockDim.x) rowof[c] = pair[tok[c]];
   __syncthreads();
   grid_wait();
   grid_launch_dependents();
   u16* xs = (u16*)smem;
+#if GROUPS == 1
   stage_rows(act16, amult, rowof, cnt, ROWS / 2, b.ks * Kc, Kc, xs, mult);
   run_cols(b, H, K, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode, sscale,
            b.expert >= 0 ? wts : nullptr, y + (long)b.ks * P * H, H);
+#else
+  for_groups(&gs, b, cnt, [&](const Block& g, int c0, int n) {
+    const int k = g.expert >= 0 ? I : S, kc = k / g.KS;
+    stage_rows(act16, amult, rowof + c0, n, ROWS / 2, g.ks * kc, kc, xs, mult);
+    run_cols(g, H, k, kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale,
+             g.expert >= 0 ? wts : nullptr, y + (long)g.ks * P * H, H);
+  });
+#endif
 }
 
 // out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits). A
