@@ -11,7 +11,8 @@ grouped GEMMs (NVFP4 decoded in the mainloop, the shared expert as extra tiles):
 CUDA C++ wgmma kernels of :mod:`m3c.backends.kernels.moe_prefill_cuda` (:data:`PREFILL_WGMMA`), else the Triton
 kernels of :mod:`m3c.backends.kernels.moe_prefill`: CUDA-core GEMV tiles for T <= 3, weight-stationary
 tensor-core tiles to 16, above that token tiles.
-Routing for T <= 64: on the CUDA decode path for T <= 16 (module flag ``CUDA_ROUTE``, on by default) ONE CUDA C++
+Routing for T <= 64: on the CUDA decode path (module flag ``CUDA_ROUTE``, on by default; above 16 tokens where the
+router has at most 160 experts: the routing kernel's logits live in shared memory) ONE CUDA C++
 launch (:func:`m3c.backends.kernels.moe_cuda.route_stage`: the float32 router GEMV split over ~200 CTAs, the last
 CTA merges in a fixed order and routes, T more CTAs stage the tokens for the expert kernels), so the whole op is 5
 launches; otherwise the router GEMV (float32, cuBLAS) + ONE launch
@@ -43,6 +44,7 @@ from m3c.backends.kernels.moe_cuda import (
     mma_specs,
     mma_supported,
     moe_decode_mma,
+    route_nt,
     route_stage,
     route_stage_spec,
     route_supported,
@@ -102,8 +104,8 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
                   prefill_precision: str | None = None) -> list[KernelSpec | CudaKernelSpec]:
     """Every kernel spec :func:`megamoe` launches for this layout by default (GPU settings): the routing
     (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 64 where the layout allows them (the
-    builds for 8, 16 and 64 tokens; the first two followed by their one-launch routing + staging kernel where that
-    takes the router, the router weight in float32) and the grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as
+    builds for 8, 16 and 64 tokens, each followed by its one-launch routing + staging kernel where that takes the
+    router, the router weight in float32) and the grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as
     :func:`megamoe` takes it; ``decode_kernel=True`` launches :func:`m3c.backends.kernels.moe_decode.decode_specs`
     too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
@@ -115,7 +117,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
             mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt, wide)
             if route_supported(hidden, experts, top_k, act_dtype, tokens) is None:
-                mma.append(route_stage_spec(hidden, experts, act_dtype, nt))
+                mma.append(route_stage_spec(hidden, experts, act_dtype, route_nt(tokens)))
     if prefill_wgmma_unsupported(hidden, inter, shared_inter, act_dtype, w13_fmt, shared_fmt) is None:
         mma += moe_prefill_cuda.specs(prefill_precision)
     return route_specs(experts, top_k) + mma + list(moe_prefill_specs(

@@ -75,7 +75,8 @@ _ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (1
 WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supported assume it
 MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
 # more than 8 of the tokens picked its expert, else one); 17..64: the wide NT = 2 build (column groups of 16)
-ROUTE_MAX_TOKENS = 16  # route_stage's register tiles (8 NT tokens); above, the router GEMV + fused_route
+ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 (the decode builds' 8 NT tokens) or 8 (17..64 tokens)
+_ROUTE_SMEM = 40 * 1024  # route_stage's static shared logits (8 NT x 32 ESLOTS floats) may take this much
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -211,7 +212,16 @@ def route_supported(hidden: int, experts: int, top_k: int, act_dtype: str, token
                 f"and top-{ROUTE_MAX_TOPK}")
     if hidden <= 0 or hidden % 128:
         return f"H = {hidden}: must be a multiple of 128"
+    logits = 8 * route_nt(tokens) * 32 * -(-experts // 32) * 4
+    if logits > _ROUTE_SMEM:
+        return (f"T = {tokens}, {experts} experts: the routing kernel's logits need {logits} bytes of shared memory, "
+                f"more than {_ROUTE_SMEM}")
     return None
+
+
+def route_nt(tokens: int) -> int:
+    """The routing kernel's build for T tokens: 8 NT >= T tokens (NT = 1, 2 as the decode kernels, 8 above 16)."""
+    return 1 if tokens <= 8 else 2 if tokens <= 16 else 8
 
 
 def route_split(hidden: int, experts: int) -> tuple[int, int]:
@@ -251,7 +261,7 @@ def _route_workspace(device: torch.device, experts: int, ksplit: int) -> tuple[t
 def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top_k: int,
                 routed_scaling_factor: float, norm_topk_prob: bool, *, runner: Runner = jit_run,
                 logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(topk_ids int64 [T, k], topk_weights float32 [T, k], x16 f16 [T, H], xmult float32 [T]) for 1 <= T <= 16
+    """(topk_ids int64 [T, k], topk_weights float32 [T, k], x16 f16 [T, H], xmult float32 [T]) for 1 <= T <= 64
     tokens in ONE launch (``moe_route_stage``, module docstring step 0): the router logits x @ gate_w32^T in
     float32, ``MoE.route``'s selection and weights, and the tokens staged for :func:`moe_decode_mma`.
 
@@ -277,7 +287,7 @@ def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top
         raise ShapeError(f"route_stage: logits {tuple(logits.shape)} {logits.dtype}: expected contiguous float32 "
                          f"[{t}, {e}]")
     dev = x.device
-    spec = route_stage_spec(hidden, e, act, _nt(t))
+    spec = route_stage_spec(hidden, e, act, route_nt(t))
     ksplit = dict(spec.defines)["KSPLIT"]  # the compiled split (whatever route_split would say now)
     part, counter, scratch = _route_workspace(dev, e, ksplit)
     ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)

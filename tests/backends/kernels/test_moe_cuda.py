@@ -356,10 +356,10 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     specs = megamoe_specs(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
     cuda = [s for s in specs if isinstance(s, CudaKernelSpec)]
     names = ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine", "moe_route_stage"]
-    # NT = 1 and 2 with their routing launch, the wide build (17..64 tokens: routed by fused_route), the wgmma prefill
-    assert [s.kernel for s in cuda] == names * 2 + names[:5] + ["moe_pf_fc1", "moe_pf_fc2"]
-    assert len({s.key() for s in cuda}) == 19
-    assert [dict(s.defines).get("TMAX") for s in cuda[12:17]] == [64] * 5
+    # NT = 1, 2 and the wide build (17..64 tokens), each with its routing launch; the wgmma prefill
+    assert [s.kernel for s in cuda] == names * 3 + ["moe_pf_fc1", "moe_pf_fc2"]
+    assert len({s.key() for s in cuda}) == 20
+    assert [dict(s.defines).get("TMAX") for s in cuda[12:17]] == [64] * 5 and dict(cuda[17].defines)["NT"] == 8
     got = compile_kernels(cuda[:2])
     assert [k.key for k in got] == [s.key() for s in cuda[:2]] and got[1].shared_bytes == cuda[1].shared_bytes
     assert got[1].arg_types[:4] == ["*u8", "*u8", "*u8", "i32"]  # fc1: x, x16, xmult, T
@@ -370,8 +370,8 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
 
 @pytest.mark.parametrize("cuda_route", [True, False])
 def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """T <= 64 on a CUDA device goes to the CUDA kernels (routing + staging in one CUDA launch with ``CUDA_ROUTE`` up
-    to 16 tokens, else the GEMV + fused_route + moe_stage_x); every launch is a spec the offline lowering compiled (meta tensors
+    """T <= 64 on a CUDA device goes to the CUDA kernels (routing + staging in one CUDA launch with ``CUDA_ROUTE``,
+    else the GEMV + fused_route + moe_stage_x); every launch is a spec the offline lowering compiled (meta tensors
     stand in for the GPU: no data, no sync), with the grids the kernels expect."""
     from m3c.backends.kernels import megamoe as mm_mod
     from m3c.backends.kernels import moe_routing
@@ -393,7 +393,7 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
                 routed_scaling_factor=2.5, norm_topk_prob=True,
                 runner=lambda sp, grid, args, seen=seen: seen.append((sp, grid, args)))
         kernels = [sp.kernel for sp, _, _ in seen if getattr(sp, "kernel", None)]
-        routed_here = cuda_route and t <= 16  # above 16 tokens: GEMV + fused_route + moe_stage_x
+        routed_here = cuda_route  # else GEMV + fused_route + moe_stage_x
         assert kernels == ["moe_route_stage" if routed_here else "moe_stage_x", "moe_fc1", "moe_act", "moe_fc2",
                            "moe_combine"], (t, kernels)
         assert len(seen) == (5 if routed_here else 6), t  # the old path also launches fused_route (Triton)

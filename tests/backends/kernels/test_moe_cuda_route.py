@@ -253,7 +253,12 @@ def test_twin_route_stage_end_to_end(t: int, e: int, k: int, dtype: torch.dtype,
 def test_route_supported_and_spec() -> None:
     assert moe_cuda.route_supported(6144, 64, 8, "bf16", 1) is None
     assert moe_cuda.route_supported(6144, 256, 8, "fp32", 16) is None
-    assert "1..16" in moe_cuda.route_supported(6144, 64, 8, "bf16", 17)
+    assert moe_cuda.route_supported(6144, 64, 8, "bf16", 17) is None  # the NT = 8 build: 17..64 tokens
+    assert moe_cuda.route_supported(6144, 160, 8, "bf16", 64) is None
+    assert "1..64" in moe_cuda.route_supported(6144, 64, 8, "bf16", 65)
+    # 64 tokens x 192 experts of float32 logits in shared memory (49,152 bytes): too many; 16 tokens of 256 fit
+    assert "shared memory" in moe_cuda.route_supported(6144, 192, 8, "bf16", 17)
+    assert [moe_cuda.route_nt(t) for t in (1, 8, 9, 16, 17, 64)] == [1, 1, 2, 2, 8, 8]
     assert "at most 256" in moe_cuda.route_supported(6144, 512, 8, "bf16", 1)
     assert "top-64" in moe_cuda.route_supported(6144, 128, 65, "bf16", 1)
     assert "multiple of 128" in moe_cuda.route_supported(6144 + 64, 64, 8, "bf16", 1)
@@ -275,8 +280,8 @@ def test_route_stage_rejects_bad_inputs() -> None:
         moe_cuda.route_stage(x, g, torch.empty(7, device="meta"), 2, 1.0, True)
     with pytest.raises(ShapeError, match="tokens"):
         moe_cuda.route_stage(x.to(torch.float16), g, b, 2, 1.0, True)
-    with pytest.raises(ShapeError, match=r"1\.\.16"):
-        moe_cuda.route_stage(torch.empty(17, 256, device="meta"), g, b, 2, 1.0, True)
+    with pytest.raises(ShapeError, match=r"1\.\.64"):
+        moe_cuda.route_stage(torch.empty(65, 256, device="meta"), g, b, 2, 1.0, True)
     with pytest.raises(ShapeError, match="top-64"):
         moe_cuda.route_stage(x, g, b, 9, 1.0, True)
     with pytest.raises(ShapeError, match="logits"):
@@ -324,7 +329,8 @@ def _res_usage(cubin: bytes) -> str:
 
 
 @pytest.mark.parametrize("h,e,act,nt", [(6144, 64, "bf16", 1), (6144, 64, "bf16", 2), (6144, 64, "fp32", 2),
-                                         (6144, 256, "bf16", 1), (6144, 256, "bf16", 2)])
+                                         (6144, 256, "bf16", 1), (6144, 256, "bf16", 2), (6144, 64, "bf16", 8),
+                                         (6144, 160, "fp32", 8)])
 def test_route_kernel_compiles_for_sm90a(h: int, e: int, act: str, nt: int) -> None:
     spec = moe_cuda.route_stage_spec(h, e, act, nt)
     ck = compile_cuda(spec, "sm_90a")
@@ -353,8 +359,8 @@ def _gpu_case(t: int, e: int, k: int, dtype: torch.dtype, norm: bool, h: int = 6
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("t", [1, 3, 16])
-@pytest.mark.parametrize("e", [64, 256])
+@pytest.mark.parametrize("t,e", [(1, 64), (3, 64), (16, 64), (40, 64), (64, 64), (1, 256), (3, 256), (16, 256),
+                                 (64, 160)])  # above 16 tokens at most 160 experts (route_supported)
 def test_route_stage_matches_fused_route_and_reference(t: int, dtype: torch.dtype, norm: bool, e: int) -> None:
     from m3c.backends.kernels.moe_routing import fused_route
 
@@ -415,7 +421,7 @@ def test_route_stage_logits_match_twin_bitwise_mostly() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("t", [1, 16, 64])
 def test_route_stage_graph_replays_are_identical(t: int) -> None:
     x, gate, bias = _gpu_case(t, 64, 8, torch.bfloat16, True)
     eager = moe_cuda.route_stage(x, gate, bias, 8, 2.5, True)
@@ -437,7 +443,7 @@ def test_route_stage_graph_replays_are_identical(t: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("t", [1, 3, 16, 40])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("norm", [True, False])
 def test_megamoe_cuda_route_matches_reference(t: int, dtype: torch.dtype, norm: bool,

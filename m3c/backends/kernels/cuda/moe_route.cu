@@ -4,7 +4,7 @@
 // expert kernels of moe_decode_mma.cu (what its moe_stage_x does). Host side and numerics:
 // m3c/backends/kernels/moe_cuda.py (route_stage). No system headers (only ptx_common.cuh): builds with a bare nvcc
 // (PyPI).
-// Compile-time settings: NT (8-token column tiles: T <= 8 NT), ACT_BF16 (tokens bf16, else float32), CH (float4
+// Compile-time settings: NT (8-token groups: T <= 8 NT; moe_cuda builds 1, 2 and 8), ACT_BF16 (tokens bf16, else float32), CH (float4
 // K chunks per lane: a CTA's K slice is 128 CH), KSPLIT (K slices: H = 128 CH KSPLIT), ESLOTS (experts per lane in
 // the routing warps: E <= 32 ESLOTS).
 //
@@ -194,15 +194,17 @@ moe_route_stage(const void* x, const float* gate, const float* bias, int T, int 
         acc[t] = fmaf(g[c].w, v.w, acc[t]);
       }
     }
-    float mine = 0.f;
+    float mine[(MAXT + 31) / 32];  // lane l keeps tokens l, l + 32
 #pragma unroll
     for (int t = 0; t < MAXT; ++t) {
       float v = acc[t];
 #pragma unroll
       for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (lane == t) mine = v;
+      if (lane == t % 32) mine[t / 32] = v;
     }
-    if (lane < T) part[((long)ks * T + lane) * E + e] = mine;
+#pragma unroll
+    for (int q = 0; q < (MAXT + 31) / 32; ++q)
+      if (lane + 32 * q < T) part[((long)ks * T + lane + 32 * q) * E + e] = mine[q];
   }
   // ---- arrive: a barrier, then one thread's acq_rel atomic (release: cumulative over the CTA's partial stores the
   // barrier ordered before it; acquire: the other CTAs' partials before the last CTA's loads, which read L2 with
