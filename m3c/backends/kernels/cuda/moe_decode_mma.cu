@@ -690,14 +690,10 @@ __device__ __forceinline__ bool get_group(const Groups* gs, int i, Block& b, int
   return n > 0;
 }
 
-// run(block, c0, n) for each column group of the block (cnt columns): one call in the narrow builds (GROUPS == 1:
-// the shared expert's only group, or a routed expert's cnt <= MAXT columns), else through shared memory as above,
+// run(block, c0, n) for each column group of the block (cnt columns; the wide build), through shared memory as above,
 // with a barrier between groups (the next one overwrites the staged columns).
 template <class Run>
 __device__ __forceinline__ void for_groups(Groups* gs, const Block& b, int cnt, Run run) {
-#if GROUPS == 1
-  run(b, 0, cnt);
-#else
   put_groups(gs, b, cnt);
   Block g;
   int c0, n;
@@ -705,7 +701,6 @@ __device__ __forceinline__ void for_groups(Groups* gs, const Block& b, int cnt, 
     if (i) __syncthreads();
     run(g, c0, n);
   }
-#endif
 }
 
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
