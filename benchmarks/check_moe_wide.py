@@ -12,7 +12,7 @@ import sys
 import torch
 
 from m3c.backends.kernels import moe_cuda
-from m3c.fused.moe import MegaMoE, random_moe
+from m3c.fused.moe import MegaMoE, hot_routing, random_moe
 
 
 def main() -> None:
@@ -23,11 +23,7 @@ def main() -> None:
     moe = random_moe(1024, 256, 16, 4, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
     x = torch.randn(t, 1024, generator=gen, device="cuda").to(torch.bfloat16)
-    cpu = torch.Generator().manual_seed(2)
-    ids = torch.stack([torch.randperm(15, generator=cpu)[:4] + 1 for _ in range(t)])
-    ids[:hot, 0] = 0
-    w = torch.rand(t, 4, generator=cpu) + 0.1
-    ids, w = ids.cuda(), (w / w.sum(dim=1, keepdim=True)).cuda()
+    ids, w = hot_routing(t, 16, 4, hot, torch.Generator().manual_seed(2), "cuda")
     moe.route = lambda _x: (ids, w)
     w13, w2, s13, s2 = mm.weights()
     out = torch.full_like(x, float("nan"))

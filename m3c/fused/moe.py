@@ -8,7 +8,8 @@ call once before capturing a CUDA graph), else the grouped-GEMM expert kernels (
 the one-launch Triton decode kernel for T <= 64, with a workspace kept per token count); elsewhere (plain CPU)
 it runs the reference composition. The default path allocates its small per-call buffers from torch's caching
 allocator (CUDA-graph safe).
-:func:`random_moe` builds a random reference block for tests and benchmarks.
+:func:`random_moe` builds a random reference block for tests and benchmarks, :func:`hot_routing` a routing with one hot
+expert.
 """
 
 from __future__ import annotations
@@ -187,3 +188,16 @@ def random_moe(hidden: int, inter: int, experts: int, top_k: int, shared: str, g
                 else:
                     lin.weight.copy_(w.bfloat16())
     return moe
+
+
+def hot_routing(tokens: int, experts: int, top_k: int, hot: int, generator: torch.Generator,
+                device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing (ids int64 [T, k], weights float32 [T, k]) for tests and benchmarks with one hot expert: the first
+    `hot` tokens pick expert 0 in slot 0, every other slot a distinct random expert of 1..E-1; random positive
+    weights summing to 1 per token. ``generator`` is a CPU generator; the results go to ``device``."""
+    if not 0 <= hot <= tokens or not 1 <= top_k < experts:
+        raise ShapeError(f"hot_routing: hot = {hot} of T = {tokens}, top-{top_k} of {experts} experts")
+    ids = torch.stack([torch.randperm(experts - 1, generator=generator)[:top_k] + 1 for _ in range(tokens)])
+    ids[:hot, 0] = 0
+    w = torch.rand(tokens, top_k, generator=generator) + 0.1
+    return ids.to(device), (w / w.sum(dim=1, keepdim=True)).to(device)

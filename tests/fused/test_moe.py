@@ -8,7 +8,7 @@ import torch
 from m3c.errors import ConfigError, ShapeError
 from m3c.fused import MegaMoE
 from m3c.fused import moe as fused_moe
-from m3c.fused.moe import random_moe
+from m3c.fused.moe import hot_routing, random_moe
 from m3c.model_defs.config import QuantScheme
 from m3c.model_defs.layers import MoE
 from m3c.model_defs.presets import m31_tiny
@@ -65,6 +65,17 @@ def test_rejects_what_it_cannot_run(rng: torch.Generator) -> None:
         mm(torch.randn(2, 64))
     with pytest.raises(ConfigError, match="prefill_precision='fp4'"):
         MegaMoE.from_reference(random_moe(128, 64, 8, 2, "none", rng), prefill_precision="fp4")
+
+
+@pytest.mark.parametrize("t,e,k,hot", [(40, 64, 8, 33), (5, 16, 4, 0), (64, 64, 8, 64)])
+def test_hot_routing(t: int, e: int, k: int, hot: int, rng: torch.Generator) -> None:
+    ids, w = hot_routing(t, e, k, hot, rng)
+    assert ids.shape == w.shape == (t, k) and ids.dtype == torch.int64 and w.dtype == torch.float32
+    assert int((ids == 0).sum()) == hot and bool((ids[:hot, 0] == 0).all())  # expert 0: the first `hot`, slot 0
+    assert all(len(set(row)) == k for row in ids.tolist()) and int(ids.min()) >= 0 and int(ids.max()) < e
+    assert bool((w > 0).all()) and torch.allclose(w.sum(dim=1), torch.ones(t))
+    with pytest.raises(ShapeError, match="hot = 6 of T = 5"):
+        hot_routing(5, e, k, 6, rng)
 
 
 @pytest.mark.gpu

@@ -320,11 +320,10 @@ def test_hot_expert_columns(t: int, hot: int) -> None:
     way, token by token (a token dropped from an expert's columns, or mapped back to another token's row, would be
     far off)."""
     moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
+    from m3c.fused.moe import hot_routing
+
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    ids = torch.stack([torch.randperm(63, generator=gen)[:8] + 1 for _ in range(t)])  # experts 1..63
-    ids[:hot, 0] = 0  # expert 0: `hot` tokens
-    w = torch.rand(t, 8, generator=gen) + 0.1
-    ids, w = ids.cuda(), (w / w.sum(dim=1, keepdim=True)).cuda()
+    ids, w = hot_routing(t, 64, 8, hot, gen, "cuda")  # expert 0: `hot` tokens, the others 1..63
     moe.route = lambda _x: (ids, w)
     w13, w2, s13, s2 = mm.weights()
     out = torch.full_like(x, float("nan"))
