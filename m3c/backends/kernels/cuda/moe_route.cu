@@ -4,9 +4,9 @@
 // expert kernels of moe_decode_mma.cu (what its moe_stage_x does). Host side and numerics:
 // m3c/backends/kernels/moe_cuda.py (route_stage). No system headers (only ptx_common.cuh): builds with a bare nvcc
 // (PyPI).
-// Compile-time settings: NT (8-token groups: T <= 8 NT; moe_cuda builds 1, 2 and 8), ACT_BF16 (tokens bf16, else float32), CH (float4
-// K chunks per lane: a CTA's K slice is 128 CH), KSPLIT (K slices: H = 128 CH KSPLIT), ESLOTS (experts per lane in
-// the routing warps: E <= 32 ESLOTS).
+// Compile-time settings: NT (8-token groups: T <= 8 NT; moe_cuda builds 1, 2 and 8), ACT_BF16 (tokens bf16, else
+// float32), CH (float4 K chunks per lane: a CTA's K slice is 128 CH), KSPLIT (K slices: H = 128 CH KSPLIT), ESLOTS
+// (experts per lane in the routing warps: E <= 32 ESLOTS).
 //
 // Grid: T staging CTAs, then ceil(E / 8) x KSPLIT GEMV CTAs (8 warps, one expert each, K slice ks of 128 CH).
 // part[(ks T + t) E + e] = the slice's dot product (one per warp and token, a butterfly sum of its lanes; ks outer,
