@@ -1,0 +1,124 @@
+"""A Python twin of the CUDA MoE decode kernels' work split (``find_block``, ``find_tokens`` and the column groups of
+``moe_fc1`` / ``moe_fc2`` in ``cuda/moe_decode_mma.cu``), driven by the grids and arguments :func:`moe_decode_mma`
+really launches (meta tensors: no data): every CTA of the grid decodes its item as the kernel does, and the rows and
+columns it writes are counted. Each routed pair's and each shared token's output rows must be written exactly once,
+nothing else at all (a pair whose id is out of range: never). The CPU's check that the host's grids and the
+kernels' item decoding agree, for the narrow builds and the wide one (17..64 tokens, hot experts included)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_moe_cuda import mxfp8, nvfp4
+
+from m3c.backends.kernels import moe_cuda
+from m3c.fused.moe import hot_routing
+
+WARPS_ROWS = 32 * moe_cuda.WARPS  # weight rows a CTA covers
+
+
+def _launches(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: int) -> dict[str, tuple]:
+    """{kernel: (spec, grid, {argument name: value})} of one moe_decode_mma call on meta tensors."""
+    seen: dict[str, tuple] = {}
+
+    def record(spec, grid, args):
+        seen[spec.kernel] = (spec, grid, dict(zip((n for n, _ in spec.arg_types), args, strict=False)))
+
+    x = torch.empty(t, hidden, dtype=torch.bfloat16, device="meta")
+    ids = torch.empty(t, top_k, dtype=torch.int64, device="meta")
+    w = torch.empty(t, top_k, device="meta")
+    s13, s2 = (mxfp8(2 * shared, hidden), mxfp8(hidden, shared)) if shared else (None, None)
+    moe_cuda.moe_decode_mma(x, ids, w, nvfp4(experts, 2 * inter, hidden), nvfp4(experts, hidden, inter), s13, s2,
+                            runner=record)
+    return seen
+
+
+def _find_block(item: int, ids: np.ndarray, t: int, e: int, n_slots: int, rows: int, srows: int, ksr: int,
+                kss: int, maxt: int, groups_max: int) -> tuple[int, int, int, int] | None:
+    """(expert or -1, row0, ks, grp or -1) of a work item, or None for an unused slot (find_block)."""
+    per = rows // WARPS_ROWS
+    if item >= n_slots * per * ksr:
+        item -= n_slots * per * ksr
+        groups = 1 if groups_max == 1 else -(-t // maxt)
+        grp, item = item % groups, item // groups
+        ks, row0 = item % kss, (item // kss) * WARPS_ROWS
+        return (-1, row0, ks, grp) if row0 < srows else None
+    ks, item = item % ksr, item // ksr
+    slot, row0 = item // per, (item % per) * WARPS_ROWS
+    touched = sorted({int(v) for v in ids.reshape(-1) if 0 <= v < e})
+    return (touched[slot], row0, ks, -1) if slot < len(touched) else None
+
+
+def _columns(expert: int, ids: np.ndarray, t: int, top_k: int) -> list[int]:
+    """The output rows (pairs) of the block's compacted columns, in column order (find_tokens)."""
+    if expert < 0:
+        return [t * top_k + n for n in range(t)]
+    out = []
+    for n in range(t):
+        slots = [k for k in range(top_k) if ids[n, k] == expert]
+        if slots:
+            out.append(n * top_k + slots[0])
+    return out
+
+
+def _coverage(kernel: str, launch: tuple, ids: np.ndarray, t: int, top_k: int) -> np.ndarray:
+    """How often each (K split, pair, row) of the kernel's output is written."""
+    spec, grid, a = launch
+    d = dict(spec.defines)
+    maxt = 8 * d["NT"]
+    groups_max = -(-d.get("TMAX", maxt) // maxt)
+    fc1 = kernel == "moe_fc1"
+    e, n_slots, pairs = a["E"], a["n_slots"], a["P"]
+    rows, srows = (a["rows"], a["srows"]) if fc1 else (a["H"], a["H"] if a["S"] else 0)
+    ksr, kss = (a["KSr"], a["KSs"]) if fc1 else (1, a["KSs"])
+    width = a["ROWS"] if fc1 else a["H"]
+    count = np.zeros((max(ksr, kss), pairs, width), dtype=np.int64)
+    groups = 1 if groups_max == 1 else -(-t // maxt)
+    shared_items = srows // WARPS_ROWS * kss * groups if fc1 else 0  # FC1: the shared items first in the grid
+    routed_items = n_slots * (rows // WARPS_ROWS) * ksr
+    for block in range(grid[0]):
+        item = (routed_items + block if block < shared_items else block - shared_items) if fc1 else block
+        found = _find_block(item, ids, t, e, n_slots, rows, srows, ksr, kss, maxt, groups_max)
+        if found is None:
+            continue
+        expert, row0, ks, grp = found
+        cols = _columns(expert, ids, t, top_k)
+        c0, c1 = (0, len(cols)) if grp < 0 else (grp * maxt, min(len(cols), grp * maxt + maxt))
+        assert grp >= 0 or groups_max > 1 or len(cols) <= maxt, "a narrow build got more columns than it runs"
+        for p in cols[c0:c1]:
+            count[ks, p, row0:row0 + WARPS_ROWS] += 1
+    return count
+
+
+def _expected(ids: np.ndarray, t: int, top_k: int, e: int, ks_routed: int, ks_shared: int, routed_rows: int,
+              shared_rows: int, shape: tuple) -> np.ndarray:
+    want = np.zeros(shape, dtype=np.int64)
+    for n in range(t):
+        for k in range(top_k):
+            if 0 <= ids[n, k] < e:
+                want[:ks_routed, n * top_k + k, :routed_rows] = 1
+        if shared_rows:
+            want[:ks_shared, t * top_k + n, :shared_rows] = 1
+    return want
+
+
+@pytest.mark.parametrize("t,hot", [(1, 0), (5, 5), (8, 8), (9, 0), (16, 16), (17, 0), (24, 17), (40, 33),
+                                   (64, 64), (64, 0)])
+@pytest.mark.parametrize("shared", [256, 0])
+def test_every_output_row_is_written_once(t: int, hot: int, shared: int) -> None:
+    hidden, inter, e, top_k = 1024, 256, 16, 4
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    ids = hot_routing(t, e, top_k, hot, gen)[0].numpy()
+    if t > 3:
+        ids[2, 1] = e  # an out-of-range id (NaN router logits): no CTA writes its pair
+    launches = _launches(t, hidden, inter, e, top_k, shared)
+    fc1, fc2 = launches["moe_fc1"], launches["moe_fc2"]
+    assert dict(fc1[0].defines).get("TMAX") == (64 if t > 16 else None)
+    a1, a2 = fc1[2], fc2[2]
+    got1 = _coverage("moe_fc1", fc1, ids, t, top_k)
+    want1 = _expected(ids, t, top_k, e, a1["KSr"], a1["KSs"], 2 * inter, 2 * shared, got1.shape)
+    assert np.array_equal(got1, want1), np.argwhere(got1 != want1)[:5]
+    got2 = _coverage("moe_fc2", fc2, ids, t, top_k)
+    want2 = _expected(ids, t, top_k, e, 1, a2["KSs"], hidden, hidden if shared else 0, got2.shape)
+    assert np.array_equal(got2, want2), np.argwhere(got2 != want2)[:5]
