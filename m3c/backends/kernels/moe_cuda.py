@@ -220,8 +220,8 @@ def route_supported(hidden: int, experts: int, top_k: int, act_dtype: str, token
 
 
 def route_nt(tokens: int) -> int:
-    """The routing kernel's build for T tokens: 8 NT >= T tokens (NT = 1, 2 as the decode kernels, 8 above 16)."""
-    return 1 if tokens <= 8 else 2 if tokens <= 16 else 8
+    """The routing kernel's build for T tokens: 8 NT >= T tokens (the decode build's NT, 8 for the wide one)."""
+    return 8 if _wide(tokens) else _nt(tokens)
 
 
 def route_split(hidden: int, experts: int) -> tuple[int, int]:

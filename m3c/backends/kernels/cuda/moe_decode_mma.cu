@@ -47,6 +47,8 @@
 #endif             // them 32 a warp
 #define GROUPS ((TMAX + MAXT - 1) / MAXT)  // column groups a CTA may run (1: the loop over them is straight code)
 static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
+// The shared expert's column groups for T tokens (a CTA each; moe_cuda's grids count them the same way).
+#define SHARED_GROUPS(T) (GROUPS == 1 ? 1 : ((T) + MAXT - 1) / MAXT)
 
 #include "ptx_common.cuh"
 #include "moe_tokens.cuh"
@@ -197,7 +199,7 @@ __device__ bool find_block(Block& b, int item, const long long* ids, int T, int 
   const int per = rows / (32 * WARPS), n_ids = T * topk;
   if (item >= n_slots * per * KSr) {
     item -= n_slots * per * KSr;
-    const int groups = GROUPS == 1 ? 1 : (T + MAXT - 1) / MAXT;
+    const int groups = SHARED_GROUPS(T);
     b.expert = -1;
     b.KS = KSs;
     b.grp = item % groups;
@@ -718,8 +720,8 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
   __shared__ int pair[TMAX], tok[TMAX], cnt;
   __shared__ Groups gs;
   grid_launch_dependents();  // moe_act waits for all of FC1
-  const int groups = GROUPS == 1 ? 1 : (T + MAXT - 1) / MAXT;  // the shared expert's column groups
-  const int shared_items = srows / (32 * WARPS) * KSs * groups, routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
+  const int shared_items = srows / (32 * WARPS) * KSs * SHARED_GROUPS(T);
+  const int routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
   const bool shared = (int)blockIdx.x < shared_items;
   const int item = shared ? routed_items + blockIdx.x : blockIdx.x - shared_items;
   if (!shared) grid_wait();
