@@ -11,8 +11,7 @@ grouped GEMMs (NVFP4 decoded in the mainloop, the shared expert as extra tiles):
 CUDA C++ wgmma kernels of :mod:`m3c.backends.kernels.moe_prefill_cuda` (:data:`PREFILL_WGMMA`), else the Triton
 kernels of :mod:`m3c.backends.kernels.moe_prefill`: CUDA-core GEMV tiles for T <= 3, weight-stationary
 tensor-core tiles to 16, above that token tiles.
-Routing for T <= 64: on the CUDA decode path (module flag ``CUDA_ROUTE``, on by default; above 16 tokens where the
-router has at most 160 experts: the routing kernel's logits live in shared memory) ONE CUDA C++
+Routing for T <= 64: on the CUDA decode path (module flag ``CUDA_ROUTE``, on by default; up to 256 experts) ONE CUDA C++
 launch (:func:`m3c.backends.kernels.moe_cuda.route_stage`: the float32 router GEMV split over ~200 CTAs, the last
 CTA merges in a fixed order and routes, T more CTAs stage the tokens for the expert kernels), so the whole op is 5
 launches; otherwise the router GEMV (float32, cuBLAS) + ONE launch

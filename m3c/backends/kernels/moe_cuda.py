@@ -76,7 +76,6 @@ WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supporte
 MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
 # more than 8 of the tokens picked its expert, else one); 17..64: the wide NT = 2 build (column groups of 16)
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 (the decode builds' 8 NT tokens) or 8 (17..64 tokens)
-_ROUTE_SMEM = 40 * 1024  # route_stage's static shared logits (8 NT x 32 ESLOTS floats) may take this much
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -212,10 +211,6 @@ def route_supported(hidden: int, experts: int, top_k: int, act_dtype: str, token
                 f"and top-{ROUTE_MAX_TOPK}")
     if hidden <= 0 or hidden % 128:
         return f"H = {hidden}: must be a multiple of 128"
-    logits = 8 * route_nt(tokens) * 32 * -(-experts // 32) * 4
-    if logits > _ROUTE_SMEM:
-        return (f"T = {tokens}, {experts} experts: the routing kernel's logits need {logits} bytes of shared memory, "
-                f"more than {_ROUTE_SMEM}")
     return None
 
 
@@ -241,11 +236,13 @@ def route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKernel
 @functools.cache
 def _route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKernelSpec:
     ch, ksplit = route_split(hidden, experts)
-    d = (("NT", nt), ("ACT_BF16", int(act == "bf16")), ("CH", ch), ("KSPLIT", ksplit), ("ESLOTS", -(-experts // 32)))
+    eslots = -(-experts // 32)
+    d = (("NT", nt), ("ACT_BF16", int(act == "bf16")), ("CH", ch), ("KSPLIT", ksplit), ("ESLOTS", eslots))
     p, i = "*u8", "i32"
     types = (("x", p), ("gate", p), ("bias", p), ("T", i), ("H", i), ("E", i), ("topk", i), ("scale", "fp32"), ("norm", i), ("ids", p), ("wts", p), ("logits", p), ("x16", p), ("xmult", p),
              ("part", p), ("counter", p))
-    return CudaKernelSpec("megamoe_route", ROUTE_SOURCE, "moe_route_stage", types, d, 8, 0)
+    logits = 8 * nt * 32 * eslots * 4  # the merged logits in dynamic shared memory: 64 KB at most (64 x 256 floats)
+    return CudaKernelSpec("megamoe_route", ROUTE_SOURCE, "moe_route_stage", types, d, 8, logits)
 
 
 def _route_workspace(device: torch.device, experts: int, ksplit: int) -> tuple[torch.Tensor, torch.Tensor,

@@ -6,7 +6,8 @@
 // (PyPI).
 // Compile-time settings: NT (8-token groups: T <= 8 NT; moe_cuda builds 1, 2 and 8), ACT_BF16 (tokens bf16, else
 // float32), CH (float4 K chunks per lane: a CTA's K slice is 128 CH), KSPLIT (K slices: H = 128 CH KSPLIT), ESLOTS
-// (experts per lane in the routing warps: E <= 32 ESLOTS).
+// (experts per lane in the routing warps: E <= 32 ESLOTS). Dynamic shared memory: the merged logits, 8 NT x 32 ESLOTS
+// floats (64 tokens of 256 experts: 64 KB, more than a static array may take).
 //
 // Grid: T staging CTAs, then ceil(E / 8) x KSPLIT GEMV CTAs (8 warps, one expert each, K slice ks of 128 CH).
 // part[(ks T + t) E + e] = the slice's dot product (one per warp and token, a butterfly sum of its lanes; ks outer,
@@ -158,8 +159,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 moe_route_stage(const void* x, const float* gate, const float* bias, int T, int H, int E, int topk,
                 float scale, int norm, long long* ids, float* wts, float* logits, u16* x16, float* xmult,
                 float* part, int* counter, void* scratch0, void* scratch1) {
+  extern __shared__ __align__(16) float logit[];  // [MAXT * MAXE]
   __shared__ float red[WARPS_R];
-  __shared__ float logit[MAXT * MAXE];
   __shared__ u32 sel_id[WARPS_R][MAXK];
   __shared__ float sel_s[WARPS_R][MAXK];
   __shared__ int is_last;
