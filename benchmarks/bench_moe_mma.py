@@ -7,7 +7,8 @@ tiles), (b) the whole op (routing + experts) as megamoe runs it, side by side wi
 launch: router GEMV + routing + token staging, moe_cuda.route_stage) and off (cuBLAS GEMV + fused_route +
 moe_stage_x), and those routing + staging launches alone, (c) the old routing + CUDA C++ experts; the byte floor
 (touched NVFP4 + MXFP8 bytes at 4.28 TB/s) and each path's fraction of it. Settings to compare: --decode
-(0: prmt to f16, 1: prmt to E4M3 + cvt), --natural (1: the routed experts read in their own layout, no
+(0: prmt to f16, 1: prmt to E4M3 + cvt, 2: the weight loads alone, no decode or MMA: a probe of what the kernels'
+streaming, staging and grids allow, whose output is wrong), --natural (1: the routed experts read in their own layout, no
 prepacked copy; with decode 0 only) and --pdl (the kernels launched as programmatic dependent launches, at every T:
 "fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice) and --fc1-min-ctas (-1, the
 default: moe_cuda.FC1_MIN_CTAS's per-build choice; 0: FC1's own register choice; n: n CTAs an SM forced, at every

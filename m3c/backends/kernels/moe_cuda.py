@@ -76,7 +76,7 @@ WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supporte
 MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
 # more than 8 of the tokens picked its expert, else one); 17..64: the wide NT = 2 build (column groups of 16)
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 (the decode builds' 8 NT tokens) or 8 (17..64 tokens)
-DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2
+DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
 copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`) reads the prepacked copy too,

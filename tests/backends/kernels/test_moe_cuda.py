@@ -192,6 +192,20 @@ def test_wide_build_compiles_without_spills() -> None:
         assert "HMMA.16816.F32" in sass and "STL" not in sass, spec.kernel
 
 
+def test_load_probe_build_streams_the_weights_without_math(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DECODE = 2 (bench_moe_mma.py's probe of the weight stream alone): FC1 / FC2 keep their 16-byte weight loads but
+    neither decode nor MMA, so the probe's time is the loads', staging's and grids' (and its binaries are their own)."""
+    real = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 1)
+    monkeypatch.setattr(moe_cuda, "DECODE", 2)
+    probe = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 1)
+    assert ("DECODE", 2) in probe[1].defines and probe[1].key() != real[1].key()
+    for spec in (probe[1], probe[3]):
+        sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
+        sass = sass.split("Function :")[0]
+        assert "LDG.E.EF.128" in sass or "LDG.E.NA.128" in sass or ".128" in sass, spec.kernel
+        assert "HMMA" not in sass and "HMUL2" not in sass, spec.kernel
+
+
 def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """NATURAL: FC1 / FC2 get the routed experts' own codes and scales (no prepacked copy made), the shared expert
     stays prepacked; misaligned or mis-shaped routed weights and DECODE = 1 are refused before any launch (meta and

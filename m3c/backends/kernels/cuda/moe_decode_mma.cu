@@ -4,9 +4,9 @@
 // ptx_common.cuh): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (the most
 // 8-column MMA tiles a CTA runs at once: a CTA runs one when at most 8 tokens picked its expert; more than 8 NT run
 // as column groups of 8 NT, one after another (routed) or as more CTAs (shared expert)), TMAX (tokens), ACT_BF16
-// (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt), NATURAL
-// (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] / [E, rows, K / 16] layout, decoded by
-// ptx_common's decode8; the shared MXFP8 expert stays prepacked).
+// (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt, 2: the loads
+// alone, a benchmark probe), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
+// [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine, each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
@@ -543,6 +543,25 @@ struct Mxfp8Stream {  // a warp's MXFP8 tiles for one K split (scales: row g's, 
   }
 };
 
+// One super-chunk's decode + MMA; DECODE 2 (a benchmark probe of the weight stream alone, wrong output: what the
+// kernels' loads, staging and grids cost without their math) XORs the loaded words into one accumulator instead.
+template <int N, class Stream>
+__device__ __forceinline__ void math(const Stream& w, const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
+                                     const u16* const (&xrow)[N], float (*acc)[N][4]) {
+#if DECODE == 2
+  u32 f = 0u;
+#pragma unroll
+  for (int t = 0; t < ROWT; ++t) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) f ^= c[t][q].x ^ c[t][q].y ^ c[t][q].z ^ c[t][q].w;
+    f ^= s[t].x ^ s[t].y;
+  }
+  acc[0][0][0] += __uint_as_float(f & 0x007FFFFFu);
+#else
+  w.template mma<N>(c, s, sc, xrow, acc);
+#endif
+}
+
 // acc[t][nt][4] += W[tile rows] . xs over this warp's K range of nsc super-chunks (64 code bytes a lane and tile
 // each), two register buffers: the next super-chunk's loads are in flight while one is decoded. (A third buffer
 // measured slower on the H200: 158 registers, 3 CTAs per SM; so did asking L2 for the super-chunk 4 ahead, 10-20%:
@@ -556,10 +575,10 @@ __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, f
   w.load(ca, sa, 0);
   for (int sc = 0; sc < nsc; sc += 2) {
     if (sc + 1 < nsc) w.load(cb, sb, sc + 1);
-    w.template mma<N>(ca, sa, sc, xrow, acc);
+    math<N>(w, ca, sa, sc, xrow, acc);
     if (sc + 1 >= nsc) break;
     if (sc + 2 < nsc) w.load(ca, sa, sc + 2);
-    w.template mma<N>(cb, sb, sc + 1, xrow, acc);
+    math<N>(w, cb, sb, sc + 1, xrow, acc);
   }
 }
 
