@@ -1,12 +1,15 @@
-"""Benchmark: the CUDA C++ MegaMoE decode's K splits (moe_cuda._splits), m3.1-small, one run.
+"""Benchmark: the CUDA C++ MegaMoE decode's grid: K splits (moe_cuda._splits) and CTA size (moe_cuda.WARPS), m3.1-small.
 
 The decode kernels split K so each FC1 CTA streams a shorter range: routed FC1 2 NT splits, the shared expert twice
 that, shared FC2 2. This times the expert launches (CUDA graphs, precomputed routing) for other choices side by side
 with the default, with the CTAs that do work (touched experts' and the shared expert's; the grid also holds
 exiting CTAs for untouched slots), and checks each output against the reference (a different split sums in another
 order: not bitwise). FC1 splits other than 1, 2, 4, 8 are refused (moe_act sums those only): such a setting's row
-records the error. Usage (H200):
+records the error. ``--warps`` sets the FC1 / FC2 CTAs' warps (32 weight rows each; 4 ships), ``--decode 2`` adds
+the probe build that only streams the weights (bench_moe_mma.py): together, what grid the weight stream itself
+prefers. Usage (H200):
     PYTHONPATH=. python benchmarks/bench_moe_splits.py [--tokens 1,4,16] [--splits default 1,2,2 4,8,2]
+        [--warps 4 2 1] [--decode 0 2]
 """
 
 from __future__ import annotations
@@ -27,20 +30,22 @@ def _fixed(ks: tuple[int, int, int]):
     return lambda *_: ks
 
 
-def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, splits: list[tuple[int, int, int]]) -> list[dict]:
-    """One T: every split setting's time and error."""
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple]) -> list[dict]:
+    """One T: every (splits, warps, decode) setting's time and error."""
     x, ids, w, touched, floor_ms, truth = decode_point(t, moe, mm, gen)
     w13, w2, s13, s2 = mm.weights()
-    default = moe_cuda._splits
+    default, saved = moe_cuda._splits, (moe_cuda.WARPS, moe_cuda.DECODE)
     rows = []
     try:
-        for ks in splits:
+        for ks, warps, decode in settings:
             moe_cuda._splits = _fixed(ks) if ks else default
+            moe_cuda.WARPS, moe_cuda.DECODE = warps, decode
             moe_cuda._mma_specs.cache_clear()  # its shared-memory sizes follow the splits
             r1, r1s, r2s = ks or default(H, S, 1 if t <= 8 else 2)
-            row = {"T": t, "experts": touched, "splits": [r1, r1s, r2s], "floor_ms": floor_ms,
-                   "fc1_working_ctas": touched * 2 * INTER // 128 * r1 + 2 * S // 128 * r1s,
-                   "fc2_working_ctas": touched * H // 128 + H // 128 * r2s}
+            cta = 32 * warps
+            row = {"T": t, "experts": touched, "splits": [r1, r1s, r2s], "warps": warps, "decode": decode,
+                   "floor_ms": floor_ms, "fc1_working_ctas": touched * 2 * INTER // cta * r1 + 2 * S // cta * r1s,
+                   "fc2_working_ctas": touched * H // cta + H // cta * r2s}
             try:
                 out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
             except ConfigError as e:
@@ -53,6 +58,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, splits: list[tuple[int, 
             rows.append(row)
     finally:
         moe_cuda._splits = default
+        moe_cuda.WARPS, moe_cuda.DECODE = saved
         moe_cuda._mma_specs.cache_clear()
     return rows
 
@@ -63,19 +69,23 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--splits", nargs="+", default=["default", "1,2,2", "2,4,2", "4,8,2", "2,4,1"],
                     help="FC1 routed, FC1 shared, FC2 shared K splits (or default)")
+    ap.add_argument("--warps", type=int, nargs="+", default=[moe_cuda.WARPS], help="warps an FC1 / FC2 CTA")
+    ap.add_argument("--decode", type=int, nargs="+", default=[moe_cuda.DECODE], help="2: the weight loads alone")
     args = ap.parse_args()
     splits = [None if s == "default" else tuple(int(v) for v in s.split(",")) for s in args.splits]
+    settings = [(ks, wp, dec) for dec in args.decode for wp in args.warps for ks in splits]
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
-    rows = token_sweep("moe_splits", args.tokens, lambda t: run(t, moe, mm, gen, splits), shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'exp':>4} {'splits':>8} {'fc1 CTAs':>8} {'fc2 CTAs':>8} {'µs':>8} {'%bw':>5} {'err':>8}"
-          "   (CTAs: those that do work)")
+    rows = token_sweep("moe_splits", args.tokens, lambda t: run(t, moe, mm, gen, settings), shape=[H, INTER, E, K, S])
+    print(f"\n{'T':>3} {'exp':>4} {'splits':>8} {'w':>2} {'dec':>3} {'fc1 CTAs':>8} {'fc2 CTAs':>8} {'µs':>8} "
+          f"{'%bw':>5} {'err':>8}   (CTAs: those that do work; decode 2's err is meaningless)")
     for r in rows:
         if "ms" not in r:
             print(f"{r['T']:>3} {','.join(map(str, r.get('splits', [])))} {r['error']}")
             continue
-        print(f"{r['T']:>3} {r['experts']:>4} {','.join(map(str, r['splits'])):>8} {r['fc1_working_ctas']:>8} "
+        print(f"{r['T']:>3} {r['experts']:>4} {','.join(map(str, r['splits'])):>8} {r['warps']:>2} {r['decode']:>3} "
+              f"{r['fc1_working_ctas']:>8} "
               f"{r['fc2_working_ctas']:>8} {r['ms'] * 1e3:>7.1f}u {100 * r['bw_fraction']:>5.1f} {r['err']:>8.1e}")
 
 

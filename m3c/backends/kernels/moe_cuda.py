@@ -72,7 +72,10 @@ ROUTE_SOURCE = "moe_route.cu"
 ROUTE_MAX_EXPERTS = 256  # 32 x ESLOTS experts per routing warp (8 registers of keys a lane at most)
 ROUTE_MAX_TOPK = 64  # the routing kernel's per-warp selection buffers
 _ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (132 SMs), all resident at once
-WARPS = 4  # warps per GEMV CTA (128 rows); the row-block checks in mma_supported assume it
+WARPS = 4
+"""Warps per FC1 / FC2 CTA: a CTA covers 32 WARPS weight rows (2 tiles of 16 a warp). 4 ships; 1 and 2 (T <= 16:
+find_tokens compacts 32 tokens a warp, the wide build needs 2) are for benchmarks that size the grid (the register
+cap stays 128 a thread at NT = 1: 16 warps an SM whatever the CTA size)."""
 MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
 # more than 8 of the tokens picked its expert, else one); 17..64: the wide NT = 2 build (column groups of 16)
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 (the decode builds' 8 NT tokens) or 8 (17..64 tokens)
@@ -97,7 +100,11 @@ FC1_MIN_CTAS: dict[int | str, int] = {2: 4, "wide": 0}
 T = 16, 8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output; benchmarks/RESULTS.md session 18). The wide
 build's loop over column groups spills 18 words at 4 (168 registers and none at its own choice): its own choice
 measured 4% faster at T = 64, 3% at T = 32, the same at T = 24 (session 23)."""
-_ROWS_PER_CTA = 32 * WARPS
+
+
+def _rows_per_cta() -> int:
+    """Weight rows an FC1 / FC2 CTA covers (:data:`WARPS` at call time)."""
+    return 32 * WARPS
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
 
@@ -133,9 +140,10 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         return f"T = {tokens}: the CUDA decode kernels take 1..{MAX_TOKENS} tokens"
     if experts > 1024 or top_k > 64:
         return f"{experts} experts, top-{top_k}: at most 1024 experts and top-64"
-    if hidden % 256 or inter % 256 or hidden % _ROWS_PER_CTA or (2 * inter) % _ROWS_PER_CTA:
-        return f"H = {hidden}, I = {inter}: both must be multiples of 256 (and H, 2I of {_ROWS_PER_CTA})"
-    if shared_fmt == "mxfp8" and (shared_inter % 128 or (2 * shared_inter) % _ROWS_PER_CTA):
+    rows = _rows_per_cta()
+    if hidden % 256 or inter % 256 or hidden % rows or (2 * inter) % rows:
+        return f"H = {hidden}, I = {inter}: both must be multiples of 256 (and H, 2I of {rows})"
+    if shared_fmt == "mxfp8" and (shared_inter % 128 or (2 * shared_inter) % rows):
         return f"shared I = {shared_inter}: must be a multiple of 128"
     if hidden > 16384 or max(inter, shared_inter) > 4096:
         return f"H = {hidden}, I = {inter}, S = {shared_inter}: at most 16384 / 4096 / 4096 (staging buffers)"
@@ -176,8 +184,11 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens);
     ``wide``: the build for up to :data:`MAX_TOKENS` tokens (NT = 2; its CTAs loop over column groups of 16), else
     for 8 NT."""
+    tmax = MAX_TOKENS if wide else 8 * nt
+    if tmax > 32 * WARPS:
+        raise ConfigError(f"moe_cuda: WARPS = {WARPS} compacts {32 * WARPS} tokens, the build takes {tmax}")
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      FC1_MIN_CTAS.get("wide" if wide else nt, 0), MAX_TOKENS if wide else 8 * nt)
+                      FC1_MIN_CTAS.get("wide" if wide else nt, 0), tmax)
 
 
 @functools.cache
@@ -441,11 +452,12 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if not staged:
         runner(stage_x, (t,), [xa, hidden, x16, xmult])
     groups = -(-t // (8 * nt))  # the shared expert's column groups (a CTA each); routed CTAs loop over theirs
-    grid1 = (n_slots * two_i // _ROWS_PER_CTA * ks1 + 2 * s // _ROWS_PER_CTA * ks1s * groups,)
+    rows = _rows_per_cta()
+    grid1 = (n_slots * two_i // rows * ks1 + 2 * s // rows * ks1s * groups,)
     runner(fc1, grid1, [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
                         hidden, ks1, ks1s, h, pairs, rows_ws])
     runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
-    grid2 = (n_slots * hidden // _ROWS_PER_CTA + (hidden // _ROWS_PER_CTA * ks2s * groups if shared else 0),)
+    grid2 = (n_slots * hidden // rows + (hidden // rows * ks2s * groups if shared else 0),)
     runner(fc2, grid2, [act16, amult, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden,
                         ks2s, pairs, rows_ws, y])
     runner(comb, (triton.cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])

@@ -15,8 +15,6 @@ from test_moe_cuda import mxfp8, nvfp4
 from m3c.backends.kernels import moe_cuda
 from m3c.fused.moe import hot_routing
 
-WARPS_ROWS = 32 * moe_cuda.WARPS  # weight rows a CTA covers
-
 
 def _launches(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: int) -> dict[str, tuple]:
     """{kernel: (spec, grid, {argument name: value})} of one moe_decode_mma call on meta tensors."""
@@ -35,17 +33,18 @@ def _launches(t: int, hidden: int, inter: int, experts: int, top_k: int, shared:
 
 
 def _find_block(item: int, ids: np.ndarray, t: int, e: int, n_slots: int, rows: int, srows: int, ksr: int,
-                kss: int, maxt: int, groups_max: int) -> tuple[int, int, int, int] | None:
-    """(expert or -1, row0, ks, grp or -1) of a work item, or None for an unused slot (find_block)."""
-    per = rows // WARPS_ROWS
+                kss: int, maxt: int, groups_max: int, cta_rows: int) -> tuple[int, int, int, int] | None:
+    """(expert or -1, row0, ks, grp or -1) of a work item, or None for an unused slot (find_block); a CTA covers
+    cta_rows = 32 WARPS weight rows."""
+    per = rows // cta_rows
     if item >= n_slots * per * ksr:
         item -= n_slots * per * ksr
         groups = 1 if groups_max == 1 else -(-t // maxt)
         grp, item = item % groups, item // groups
-        ks, row0 = item % kss, (item // kss) * WARPS_ROWS
+        ks, row0 = item % kss, (item // kss) * cta_rows
         return (-1, row0, ks, grp) if row0 < srows else None
     ks, item = item % ksr, item // ksr
-    slot, row0 = item // per, (item % per) * WARPS_ROWS
+    slot, row0 = item // per, (item % per) * cta_rows
     touched = sorted({int(v) for v in ids.reshape(-1) if 0 <= v < e})
     return (touched[slot], row0, ks, -1) if slot < len(touched) else None
 
@@ -66,7 +65,7 @@ def _coverage(kernel: str, launch: tuple, ids: np.ndarray, t: int, top_k: int) -
     """How often each (K split, pair, row) of the kernel's output is written."""
     spec, grid, a = launch
     d = dict(spec.defines)
-    maxt = 8 * d["NT"]
+    maxt, cta_rows = 8 * d["NT"], 32 * d["WARPS"]
     groups_max = -(-d.get("TMAX", maxt) // maxt)
     fc1 = kernel == "moe_fc1"
     e, n_slots, pairs = a["E"], a["n_slots"], a["P"]
@@ -75,11 +74,11 @@ def _coverage(kernel: str, launch: tuple, ids: np.ndarray, t: int, top_k: int) -
     width = a["ROWS"] if fc1 else a["H"]
     count = np.zeros((max(ksr, kss), pairs, width), dtype=np.int64)
     groups = 1 if groups_max == 1 else -(-t // maxt)
-    shared_items = srows // WARPS_ROWS * kss * groups if fc1 else 0  # FC1: the shared items first in the grid
-    routed_items = n_slots * (rows // WARPS_ROWS) * ksr
+    shared_items = srows // cta_rows * kss * groups if fc1 else 0  # FC1: the shared items first in the grid
+    routed_items = n_slots * (rows // cta_rows) * ksr
     for block in range(grid[0]):
         item = (routed_items + block if block < shared_items else block - shared_items) if fc1 else block
-        found = _find_block(item, ids, t, e, n_slots, rows, srows, ksr, kss, maxt, groups_max)
+        found = _find_block(item, ids, t, e, n_slots, rows, srows, ksr, kss, maxt, groups_max, cta_rows)
         if found is None:
             continue
         expert, row0, ks, grp = found
@@ -87,7 +86,7 @@ def _coverage(kernel: str, launch: tuple, ids: np.ndarray, t: int, top_k: int) -
         c0, c1 = (0, len(cols)) if grp < 0 else (grp * maxt, min(len(cols), grp * maxt + maxt))
         assert grp >= 0 or groups_max > 1 or len(cols) <= maxt, "a narrow build got more columns than it runs"
         for p in cols[c0:c1]:
-            count[ks, p, row0:row0 + WARPS_ROWS] += 1
+            count[ks, p, row0:row0 + cta_rows] += 1
     return count
 
 
@@ -103,10 +102,15 @@ def _expected(ids: np.ndarray, t: int, top_k: int, e: int, ks_routed: int, ks_sh
     return want
 
 
-@pytest.mark.parametrize("t,hot", [(1, 0), (5, 5), (8, 8), (9, 0), (16, 16), (17, 0), (24, 17), (40, 33),
-                                   (64, 64), (64, 0)])
+@pytest.mark.parametrize("t,hot,warps", [(1, 0, 4), (5, 5, 4), (8, 8, 4), (9, 0, 4), (16, 16, 4), (17, 0, 4),
+                                         (24, 17, 4), (40, 33, 4), (64, 64, 4), (64, 0, 4),
+                                         (1, 0, 1), (6, 6, 1), (16, 9, 1), (4, 0, 2), (40, 33, 2)])
 @pytest.mark.parametrize("shared", [256, 0])
-def test_every_output_row_is_written_once(t: int, hot: int, shared: int) -> None:
+def test_every_output_row_is_written_once(t: int, hot: int, warps: int, shared: int,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every routed pair's and shared token's rows written once by FC1 and FC2, nothing else: at the shipped CTA size
+    (WARPS = 4, 128 rows) and the smaller ones benchmarks try (32 and 64 rows a CTA)."""
+    monkeypatch.setattr(moe_cuda, "WARPS", warps)
     hidden, inter, e, top_k = 1024, 256, 16, 4
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     ids = hot_routing(t, e, top_k, hot, gen)[0].numpy()
@@ -122,3 +126,13 @@ def test_every_output_row_is_written_once(t: int, hot: int, shared: int) -> None
     got2 = _coverage("moe_fc2", fc2, ids, t, top_k)
     want2 = _expected(ids, t, top_k, e, 1, a2["KSs"], hidden, hidden if shared else 0, got2.shape)
     assert np.array_equal(got2, want2), np.argwhere(got2 != want2)[:5]
+
+
+def test_a_cta_too_small_for_the_build_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_tokens compacts 32 tokens a warp: one warp cannot run the wide build (17..64 tokens)."""
+    from m3c.errors import ConfigError
+
+    monkeypatch.setattr(moe_cuda, "WARPS", 1)
+    assert moe_cuda.mma_specs(1024, 256, 256, "bf16", 2)[1].defines[0] == ("WARPS", 1)
+    with pytest.raises(ConfigError, match="WARPS = 1"):
+        _launches(17, 1024, 256, 16, 4, 256)

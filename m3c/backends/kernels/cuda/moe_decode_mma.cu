@@ -28,11 +28,11 @@
 #define NATURAL 0  // 1: the routed NVFP4 experts in the checkpoint's own layout (no prepacked copy)
 #endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
-// FC1 / FC2 launch bounds: at NT 1 both ask for 4 CTAs an SM (128 registers: left to itself, ptxas gives FC2 129
-// and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31 spilled words,
-// and T = 16 measured the same, benchmarks/RESULTS.md session 21)
+// FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
+// ptxas gives FC2 129 and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31
+// spilled words, and T = 16 measured the same, benchmarks/RESULTS.md session 21)
 #if NT == 1
-#define FC_BOUNDS __launch_bounds__(WARPS * 32, 4)
+#define FC_BOUNDS __launch_bounds__(WARPS * 32, 16 / WARPS)
 #else
 #define FC_BOUNDS __launch_bounds__(WARPS * 32)
 #endif
