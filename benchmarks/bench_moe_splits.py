@@ -22,7 +22,7 @@ from _timing import bench_graph, token_sweep
 from bench_moe_mma import INTER, E, H, K, S, decode_point
 
 from m3c.backends.kernels import moe_cuda
-from m3c.errors import ConfigError
+from m3c.errors import ConfigError, ShapeError
 from m3c.fused.moe import MegaMoE, random_moe
 
 
@@ -42,13 +42,14 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple]) -
             moe_cuda.WARPS, moe_cuda.DECODE = warps, decode
             moe_cuda._mma_specs.cache_clear()  # its shared-memory sizes follow the splits
             r1, r1s, r2s = ks or default(H, S, 1 if t <= 8 else 2)
-            cta = 32 * warps
+            cta, groups = 32 * warps, -(-t // 16) if t > 16 else 1  # the shared expert: a CTA per column group
             row = {"T": t, "experts": touched, "splits": [r1, r1s, r2s], "warps": warps, "decode": decode,
-                   "floor_ms": floor_ms, "fc1_working_ctas": touched * 2 * INTER // cta * r1 + 2 * S // cta * r1s,
-                   "fc2_working_ctas": touched * H // cta + H // cta * r2s}
+                   "floor_ms": floor_ms,
+                   "fc1_working_ctas": touched * 2 * INTER // cta * r1 + 2 * S // cta * r1s * groups,
+                   "fc2_working_ctas": touched * H // cta + H // cta * r2s * groups}
             try:
                 out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
-            except ConfigError as e:
+            except (ConfigError, ShapeError) as e:  # a split or CTA size the kernels refuse
                 rows.append(dict(row, error=str(e)))
                 print(json.dumps(rows[-1]), flush=True)
                 continue
@@ -82,7 +83,8 @@ def main() -> None:
           f"{'%bw':>5} {'err':>8}   (CTAs: those that do work; decode 2's err is meaningless)")
     for r in rows:
         if "ms" not in r:
-            print(f"{r['T']:>3} {','.join(map(str, r.get('splits', [])))} {r['error']}")
+            print(f"{r['T']:>3} {','.join(map(str, r.get('splits', [])))} w{r.get('warps')} d{r.get('decode')} "
+                  f"{r['error']}")
             continue
         print(f"{r['T']:>3} {r['experts']:>4} {','.join(map(str, r['splits'])):>8} {r['warps']:>2} {r['decode']:>3} "
               f"{r['fc1_working_ctas']:>8} "

@@ -73,9 +73,12 @@ ROUTE_MAX_EXPERTS = 256  # 32 x ESLOTS experts per routing warp (8 registers of 
 ROUTE_MAX_TOPK = 64  # the routing kernel's per-warp selection buffers
 _ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (132 SMs), all resident at once
 WARPS = 4
-"""Warps per FC1 / FC2 CTA: a CTA covers 32 WARPS weight rows (2 tiles of 16 a warp). 4 ships; 1 and 2 (T <= 16:
-find_tokens compacts 32 tokens a warp, the wide build needs 2) are for benchmarks that size the grid (the register
-cap stays 128 a thread at NT = 1: 16 warps an SM whatever the CTA size)."""
+"""Warps per FC1 / FC2 CTA (1, 2 or 4): a CTA covers 32 WARPS weight rows (2 tiles of 16 a warp). 4 ships; 1 and 2
+are for benchmarks that size the grid (one warp takes T <= 16 only: find_tokens compacts 32 tokens a warp). The
+register caps scale with it (NT = 1: 128 a thread, 16 warps an SM; FC1_MIN_CTAS counts CTAs of 4 warps), but each
+CTA stages its tokens' K range whatever its size (FC1 at NT = 1, H = 6144: 49 KB, 4 CTAs an SM), so smaller CTAs
+need more K splits to keep 16 warps an SM."""
+_WARPS_TAKEN = (1, 2, 4)
 MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
 # more than 8 of the tokens picked its expert, else one); 17..64: the wide NT = 2 build (column groups of 16)
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 (the decode builds' 8 NT tokens) or 8 (17..64 tokens)
@@ -94,17 +97,20 @@ the routing launch (module docstring, launch 2), FC2 finds its expert during act
 benchmarks/RESULTS.md session 18): T = 16 2.2-2.5% faster, T = 4 ~1.5% (inside the noise), T = 1 the experts alone
 ~5 us slower (cause not measured), so only the two-tile (T > 8) build uses it."""
 FC1_MIN_CTAS: dict[int | str, int] = {2: 4, "wide": 0}
-"""Per build (NT, or "wide" for 17..64 tokens), FC1 CTAs an SM the compiler must fit (``__launch_bounds__`` minimum,
-0: the compiler's choice). Left to itself it takes 167 registers at NT = 2, i.e. 3 CTAs an SM. Forcing 4 at NT = 2
-(128 registers, 3 spilled words then; 4 since session 21's one- or two-tile choice per CTA) made FC1 10.5% faster at
-T = 16, 8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output; benchmarks/RESULTS.md session 18). The wide
-build's loop over column groups spills 18 words at 4 (168 registers and none at its own choice): its own choice
-measured 4% faster at T = 64, 3% at T = 32, the same at T = 24 (session 23)."""
+"""Per build (NT, or "wide" for 17..64 tokens), FC1 CTAs of 4 warps an SM the compiler must fit (``__launch_bounds__``
+minimum, scaled to 4 / WARPS as many CTAs of another size; 0: the compiler's choice). Left to itself it takes 167
+registers at NT = 2, i.e. 3 CTAs an SM. Forcing 4 at NT = 2 (128 registers, 3 spilled words then; 4 since session
+21's one- or two-tile choice per CTA) made FC1 10.5% faster at T = 16, 8.6% at T = 12, 7.5% at T = 9 (same run,
+bitwise the same output; benchmarks/RESULTS.md session 18). The wide build's loop over column groups spills 18 words
+at 4 (168 registers and none at its own choice): its own choice measured 4% faster at T = 64, 3% at T = 32, the same
+at T = 24 (session 23)."""
 
 
 def _rows_per_cta() -> int:
     """Weight rows an FC1 / FC2 CTA covers (:data:`WARPS` at call time)."""
     return 32 * WARPS
+
+
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
 
@@ -138,6 +144,8 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         return f"activations are {act_dtype}: bf16 or float32 only"
     if not 1 <= tokens <= MAX_TOKENS:
         return f"T = {tokens}: the CUDA decode kernels take 1..{MAX_TOKENS} tokens"
+    if _wide(tokens) and 32 * WARPS < MAX_TOKENS:
+        return f"T = {tokens}: WARPS = {WARPS} compacts {32 * WARPS} tokens, the wide build takes {MAX_TOKENS}"
     if experts > 1024 or top_k > 64:
         return f"{experts} experts, top-{top_k}: at most 1024 experts and top-64"
     rows = _rows_per_cta()
@@ -185,10 +193,13 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     ``wide``: the build for up to :data:`MAX_TOKENS` tokens (NT = 2; its CTAs loop over column groups of 16), else
     for 8 NT."""
     tmax = MAX_TOKENS if wide else 8 * nt
+    if WARPS not in _WARPS_TAKEN:
+        raise ConfigError(f"moe_cuda: WARPS = {WARPS}: the decode kernels take {_WARPS_TAKEN}")
     if tmax > 32 * WARPS:
         raise ConfigError(f"moe_cuda: WARPS = {WARPS} compacts {32 * WARPS} tokens, the build takes {tmax}")
+    min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      FC1_MIN_CTAS.get("wide" if wide else nt, 0), tmax)
+                      min_ctas, tmax)
 
 
 @functools.cache
@@ -258,7 +269,8 @@ def _route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKerne
 
 def _route_workspace(device: torch.device, experts: int, ksplit: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                torch.Tensor]:
-    """(partial sums [16 E KSPLIT], a zeroed int32 counter, logits scratch [16 E]) kept per device and layout: the
+    """(partial sums [64 E KSPLIT], a zeroed int32 counter, logits scratch [64 E]: ROUTE_MAX_TOKENS tokens) kept per
+    device and layout: the
     kernel leaves the counter at zero, so CUDA-graph replays need nothing reset."""
     return persistent(("moe_route_stage", str(device), experts, ksplit),
                       lambda: (torch.empty(ROUTE_MAX_TOKENS * experts * ksplit, dtype=torch.float32, device=device),
@@ -412,6 +424,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     ks1, ks1s, ks2s = _splits(hidden, s, nt)
     if not {ks1, ks1s} <= {1, 2, 4, 8}:  # moe_act sums FC1's splits by templates for these counts only
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
+    if ks1s < ks1:  # FC1's shared memory holds the routed split's K range (_fc1_smem)
+        raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: the shared expert's must be at least the routed's")
     stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt, _wide(t))
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
     if x.is_cuda and torch.cuda.is_current_stream_capturing() and not is_prepacked(*packed):

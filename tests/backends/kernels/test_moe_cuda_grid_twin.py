@@ -128,11 +128,20 @@ def test_every_output_row_is_written_once(t: int, hot: int, warps: int, shared: 
     assert np.array_equal(got2, want2), np.argwhere(got2 != want2)[:5]
 
 
-def test_a_cta_too_small_for_the_build_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """find_tokens compacts 32 tokens a warp: one warp cannot run the wide build (17..64 tokens)."""
-    from m3c.errors import ConfigError
+def test_a_cta_size_the_kernels_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """find_tokens compacts 32 tokens a warp: one warp cannot run the wide build (17..64 tokens), so the decode
+    refuses those calls (megamoe then takes its other path) and the build itself; the launch bounds count 16 warps
+    an SM, so only 1, 2 or 4 warps a CTA are taken."""
+    from m3c.errors import ConfigError, ShapeError
 
     monkeypatch.setattr(moe_cuda, "WARPS", 1)
     assert moe_cuda.mma_specs(1024, 256, 256, "bf16", 2)[1].defines[0] == ("WARPS", 1)
-    with pytest.raises(ConfigError, match="WARPS = 1"):
+    assert "WARPS = 1" in moe_cuda.mma_supported(1024, 256, 16, 4, 256, "bf16", "nvfp4", "mxfp8", 17)
+    assert moe_cuda.mma_supported(1024, 256, 16, 4, 256, "bf16", "nvfp4", "mxfp8", 16) is None
+    with pytest.raises(ShapeError, match="WARPS = 1"):
         _launches(17, 1024, 256, 16, 4, 256)
+    with pytest.raises(ConfigError, match="WARPS = 1"):
+        moe_cuda.mma_specs(1024, 256, 256, "bf16", 2, wide=True)
+    monkeypatch.setattr(moe_cuda, "WARPS", 3)
+    with pytest.raises(ConfigError, match="WARPS = 3"):
+        moe_cuda.mma_specs(1024, 256, 256, "bf16", 1)

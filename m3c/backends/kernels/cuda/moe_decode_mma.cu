@@ -47,6 +47,7 @@
 #endif             // them 32 a warp
 #define GROUPS ((TMAX + MAXT - 1) / MAXT)  // column groups a CTA may run (1: the loop over them is straight code)
 static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
+static_assert(16 % WARPS == 0 && WARPS <= 4, "the launch bounds count 16 warps an SM");
 // The shared expert's column groups for T tokens (a CTA each; moe_cuda's grids count them the same way).
 #define SHARED_GROUPS(T) (GROUPS == 1 ? 1 : ((T) + MAXT - 1) / MAXT)
 
