@@ -18,7 +18,12 @@ real GEMV should load; the gap between this and the GEMV is then its math.
 ``--alu N ...`` adds N dependent xorshift-multiply rounds per 32-bit word (3N/8 instructions per weight): how much
 decode work a grid can afford per weight and still stream at full bandwidth (the GEMV's budget, measured).
 
+``--flush-mb N`` writes an N MB buffer before every timed read (inside the CUDA graph), so the read starts with
+none of its bytes in L2 (50 MB on the H200); the write's own time, timed alone, is subtracted. Without it, graph
+replays re-read the same bytes and L2 may serve part of them (session 24: 111.6% of the floor over 170 MB).
+
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_stream.py [--rows 3072 --k 6144] [--alu 0 16 32 48]
+    [--touched 16] [--flush-mb 256]
 """
 
 from __future__ import annotations
@@ -100,11 +105,15 @@ def run(kind: str, rows: int, k: int, bn: int, bk: int, ks: int, warps: int, ahe
 
     fn()
     torch.cuda.synchronize()
-    ms = bench_graph(fn)
+    flush = tensors.get("flush")
+    if flush is None:
+        ms = bench_graph(fn)
+    else:  # the read after an L2-clearing write, less the write alone
+        ms = bench_graph(lambda: (flush.zero_(), fn())) - tensors["flush_ms"]
     nbytes = ids.numel() * rows * (k // 2 + k // 16)
     floor_us = nbytes / READ_BW * 1e6
     return {"kind": kind, "rows": rows, "k": k, "bn": bn, "bk": bk, "ks": ks, "warps": warps, "ahead": ahead,
-            "stages": stages, "alu_per_weight": 3 * alu / 8, "ctas": grid[0] * grid[1] * grid[2], "us": ms * 1e3, "floor_us": floor_us,
+            "flushed": flush is not None, "stages": stages, "alu_per_weight": 3 * alu / 8, "ctas": grid[0] * grid[1] * grid[2], "us": ms * 1e3, "floor_us": floor_us,
             "pct_floor": floor_us / (ms * 1e3) * 100, "gbps": nbytes / (ms * 1e-3) / 1e9}
 
 
@@ -124,6 +133,7 @@ def main() -> None:
     ap.add_argument("--touched", type=int, default=8)
     ap.add_argument("--alu", type=int, nargs="+", default=[0],
                     help="xorshift-multiply rounds per 8-weight word (3 instructions each; decode stand-in)")
+    ap.add_argument("--flush-mb", type=int, default=0, help="write this many MB before each timed read (0: none)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     e, r, k = args.experts, args.rows, args.k
@@ -131,6 +141,10 @@ def main() -> None:
     sc = torch.randint(0, 127, (e, r, k // 16), dtype=torch.uint8, device="cuda", generator=gen)
     ids = torch.randperm(e, device="cuda", generator=gen)[: args.touched].to(torch.int32).contiguous()
     tensors = {"cw": cw, "sc": sc, "ids": ids}
+    if args.flush_mb:
+        flush = torch.empty(args.flush_mb << 18, dtype=torch.int32, device="cuda")
+        tensors.update(flush=flush, flush_ms=bench_graph(flush.zero_))
+        print(f"L2 flush: {args.flush_mb} MB written before each read, {tensors['flush_ms'] * 1e3:.1f} us alone")
     rows: list[dict] = []
     for alu in args.alu:
         for v in VARIANTS:
@@ -138,7 +152,8 @@ def main() -> None:
             record_point(rows, key, lambda v=v, alu=alu: run(v[0], r, k, *v[1:], tensors, alu))
     sel_cw, sel_sc = cw[ids.long()], sc[ids.long()]
     torch_ms = bench_graph(lambda: (sel_cw.sum(), sel_sc.view(torch.int32).sum()))
-    write_results("moe_stream", rows, torch_read_us=torch_ms * 1e3)
+    write_results("moe_stream", rows, torch_read_us=torch_ms * 1e3, flush_mb=args.flush_mb,
+                  flush_us=tensors.get("flush_ms", 0.0) * 1e3)
     print(f"touched {args.touched} experts × {r} rows × K {k}: torch read of the same bytes {torch_ms * 1e3:.1f} us")
     print(f"{'kind':>8} {'bn':>4} {'bk':>4} {'ks':>3} {'w':>2} {'ah':>2} {'st':>2} {'alu/w':>5} {'ctas':>6} {'us':>8} "
           f"{'floor':>7} {'%floor':>7}")
