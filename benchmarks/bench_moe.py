@@ -11,7 +11,8 @@ FP8 FLOP ceiling (~1,280 TFLOP/s). Our path is timed eagerly and from a CUDA gra
 "(graph)" columns: eager it is host-bound at small T); for decode also the
 expert launch alone (routing precomputed) and the path with the exact (torch, ~25-launch) routing; above the
 CUDA decode kernels' 64 tokens also ``prefill_precision="fp8"`` (E4M3 routed tiles). Touched weights at T = 1 are
-127 MB, beyond the 50 MB L2, so repeated calls read HBM. Correctness: output vs the reference evaluated in float32 (relative Frobenius error).
+127 MB, beyond the 50 MB L2, so repeated calls read HBM. Correctness: output vs the reference evaluated in float32
+(relative Frobenius error).
 
 Goals: T = 1 >= 6× bf16 grouped_mm; >= 75 % of read bandwidth on weight bytes for T <= 16; prefill
 >= 1.5× bf16 grouped_mm at T >= 4096. Writes JSON to $OUT (or benchmarks/results), prints a table last.

@@ -8,8 +8,8 @@ launch: router GEMV + routing + token staging, moe_cuda.route_stage) and off (cu
 moe_stage_x), and those routing + staging launches alone, (c) the old routing + CUDA C++ experts; the byte floor
 (touched NVFP4 + MXFP8 bytes at 4.28 TB/s) and each path's fraction of it. Settings to compare: --decode
 (0: prmt to f16, 1: prmt to E4M3 + cvt, 2: the weight loads alone, no decode or MMA: a probe of what the kernels'
-streaming, staging and grids allow, whose output is wrong), --natural (1: the routed experts read in their own layout, no
-prepacked copy; with decode 0 only) and --pdl (the kernels launched as programmatic dependent launches, at every T:
+streaming, staging and grids allow, whose output is wrong), --natural (1: the routed experts read in their own
+layout, no prepacked copy; with decode 0 only) and --pdl (the kernels launched as programmatic dependent launches, at every T:
 "fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice) and --fc1-min-ctas (-1, the
 default: moe_cuda.FC1_MIN_CTAS's per-build choice; 0: FC1's own register choice; n: n CTAs an SM forced, at every
 T); each setting's whole op (megamoe with its routing launch, "megamoe") is timed too, and its output compared
@@ -58,7 +58,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
     cfg = moe.cfg
     w13, w2, s13, s2 = mm.weights()
     triton_out = moe_prefill(x, ids, w, w13, w2, s13, s2)
-    stage_x = moe_cuda.mma_specs(H, INTER, S, "bf16", 1 if t <= 8 else 2, t > 16)[0]
+    stage_x = moe_cuda.mma_specs(H, INTER, S, "bf16", moe_cuda._nt(t), moe_cuda._wide(t))[0]
 
     def route_new():
         return moe_cuda.route_stage(x, mm.gate_w32, mm.bias, K, cfg.routed_scaling_factor, cfg.norm_topk_prob)

@@ -41,8 +41,9 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple]) -
             moe_cuda._splits = _fixed(ks) if ks else default
             moe_cuda.WARPS, moe_cuda.DECODE = warps, decode
             moe_cuda._mma_specs.cache_clear()  # its shared-memory sizes follow the splits
-            r1, r1s, r2s = ks or default(H, S, 1 if t <= 8 else 2)
-            cta, groups = 32 * warps, -(-t // 16) if t > 16 else 1  # the shared expert: a CTA per column group
+            nt = moe_cuda._nt(t)
+            r1, r1s, r2s = ks or default(H, S, nt)
+            cta, groups = 32 * warps, -(-t // (8 * nt))  # the shared expert: a CTA per column group, as moe_decode_mma
             row = {"T": t, "experts": touched, "splits": [r1, r1s, r2s], "warps": warps, "decode": decode,
                    "floor_ms": floor_ms,
                    "fc1_working_ctas": touched * 2 * INTER // cta * r1 + 2 * S // cta * r1s * groups,

@@ -113,7 +113,8 @@ def run(kind: str, rows: int, k: int, bn: int, bk: int, ks: int, warps: int, ahe
     nbytes = ids.numel() * rows * (k // 2 + k // 16)
     floor_us = nbytes / READ_BW * 1e6
     return {"kind": kind, "rows": rows, "k": k, "bn": bn, "bk": bk, "ks": ks, "warps": warps, "ahead": ahead,
-            "flushed": flush is not None, "stages": stages, "alu_per_weight": 3 * alu / 8, "ctas": grid[0] * grid[1] * grid[2], "us": ms * 1e3, "floor_us": floor_us,
+            "flushed": flush is not None, "stages": stages, "alu_per_weight": 3 * alu / 8,
+            "ctas": grid[0] * grid[1] * grid[2], "us": ms * 1e3, "floor_us": floor_us,
             "pct_floor": floor_us / (ms * 1e3) * 100, "gbps": nbytes / (ms * 1e-3) / 1e9}
 
 

@@ -128,6 +128,12 @@ def _nt(tokens: int) -> int:
     return 1 if tokens <= 8 else 2
 
 
+def _cta_too_small(tmax: int) -> str | None:
+    """Why a build for `tmax` tokens cannot run in CTAs of :data:`WARPS` warps (find_tokens compacts 32 tokens a
+    warp), or None."""
+    return f"WARPS = {WARPS} compacts {32 * WARPS} tokens, the build takes {tmax}" if tmax > 32 * WARPS else None
+
+
 def _wide(tokens: int) -> bool:
     """Whether T tokens need the wide build (more than 16: its CTAs loop over column groups of 16)."""
     return tokens > 16
@@ -144,8 +150,9 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         return f"activations are {act_dtype}: bf16 or float32 only"
     if not 1 <= tokens <= MAX_TOKENS:
         return f"T = {tokens}: the CUDA decode kernels take 1..{MAX_TOKENS} tokens"
-    if _wide(tokens) and 32 * WARPS < MAX_TOKENS:
-        return f"T = {tokens}: WARPS = {WARPS} compacts {32 * WARPS} tokens, the wide build takes {MAX_TOKENS}"
+    why = _cta_too_small(MAX_TOKENS if _wide(tokens) else 8 * _nt(tokens))
+    if why:
+        return f"T = {tokens}: {why}"
     if experts > 1024 or top_k > 64:
         return f"{experts} experts, top-{top_k}: at most 1024 experts and top-64"
     rows = _rows_per_cta()
@@ -195,8 +202,9 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     tmax = MAX_TOKENS if wide else 8 * nt
     if WARPS not in _WARPS_TAKEN:
         raise ConfigError(f"moe_cuda: WARPS = {WARPS}: the decode kernels take {_WARPS_TAKEN}")
-    if tmax > 32 * WARPS:
-        raise ConfigError(f"moe_cuda: WARPS = {WARPS} compacts {32 * WARPS} tokens, the build takes {tmax}")
+    why = _cta_too_small(tmax)
+    if why:
+        raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
                       min_ctas, tmax)
@@ -270,8 +278,7 @@ def _route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKerne
 def _route_workspace(device: torch.device, experts: int, ksplit: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                torch.Tensor]:
     """(partial sums [64 E KSPLIT], a zeroed int32 counter, logits scratch [64 E]: ROUTE_MAX_TOKENS tokens) kept per
-    device and layout: the
-    kernel leaves the counter at zero, so CUDA-graph replays need nothing reset."""
+    device and layout: the kernel leaves the counter at zero, so CUDA-graph replays need nothing reset."""
     return persistent(("moe_route_stage", str(device), experts, ksplit),
                       lambda: (torch.empty(ROUTE_MAX_TOKENS * experts * ksplit, dtype=torch.float32, device=device),
                                torch.zeros(1, dtype=torch.int32, device=device),
