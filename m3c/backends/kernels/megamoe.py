@@ -39,7 +39,9 @@ from m3c.backends.kernels import moe_prefill_cuda
 from m3c.backends.kernels.host import cuda_kernel_device
 from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
 from m3c.backends.kernels.moe_cuda import (
+    build_tokens,
     call_support,
+    decode_build,
     mma_specs,
     mma_supported,
     moe_decode_mma,
@@ -102,9 +104,9 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
                   w13_fmt: str, shared_fmt: str | None,
                   prefill_precision: str | None = None) -> list[KernelSpec | CudaKernelSpec]:
     """Every kernel spec :func:`megamoe` launches for this layout by default (GPU settings): the routing
-    (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 64 where the layout allows them (the
-    builds for 8, 16 and 64 tokens, each followed by its one-launch routing + staging kernel where that takes the
-    router, the router weight in float32) and the grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as
+    (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 64 where the layout allows them (their
+    builds for 1..8, 9..NT1_MAX_TOKENS and more tokens, then the one-launch routing + staging kernel's for 8, 16 and
+    64 where that takes the router, the router weight in float32) and the grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as
     :func:`megamoe` takes it; ``decode_kernel=True`` launches :func:`m3c.backends.kernels.moe_decode.decode_specs`
     too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
@@ -112,11 +114,14 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     if why is not None:
         raise ShapeError(f"MegaMoE does not support this layout: {why}")
     mma: list[CudaKernelSpec] = []
-    for nt, tokens, wide in ((1, 1, False), (2, 9, False), (2, MMA_MAX_TOKENS, True)):  # 8, 16 and 64 tokens
+    for tokens in build_tokens():  # one token count per decode build: 1..8, 9..NT1_MAX_TOKENS, above
         if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
-            mma += mma_specs(hidden, inter, shared_inter, act_dtype, nt, wide)
-            if route_supported(hidden, experts, top_k, act_dtype, tokens) is None:
-                mma.append(route_stage_spec(hidden, experts, act_dtype, route_nt(tokens)))
+            mma += mma_specs(hidden, inter, shared_inter, act_dtype, *decode_build(tokens))
+    for tokens in (1, 9, 17):  # the routing launch's builds: 8, 16 and 64 tokens
+        if tokens <= MMA_MAX_TOKENS and route_supported(hidden, experts, top_k, act_dtype, tokens) is None \
+                and mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt,
+                                  tokens) is None:
+            mma.append(route_stage_spec(hidden, experts, act_dtype, route_nt(tokens)))
     if prefill_wgmma_unsupported(hidden, inter, shared_inter, act_dtype, w13_fmt, shared_fmt) is None:
         mma += moe_prefill_cuda.specs(prefill_precision)
     return route_specs(experts, top_k) + mma + list(moe_prefill_specs(

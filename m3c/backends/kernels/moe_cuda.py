@@ -24,10 +24,11 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
    tokens that picked its expert to shared memory, compacted (they are its MMA columns: one 8-column tile when at
    most 8 tokens picked it, else NT; the shared expert's CTAs take every token and stage them from x themselves, so
    they need nothing of step 0 and run first), then every warp streams two 16-row tiles (the next 256-K
-   super-chunk's 16-byte loads in flight while one is decoded): h[ks, pair, row] = partial sums. Above 16 tokens
-   (8 NT) the columns come in groups of 8 NT: a routed CTA runs its expert's groups one after another (a second
-   group only when more than 16 tokens picked the expert; it reads the CTA's weights again, from L2 where they
-   still are), the shared expert gets a CTA per group, the groups of one row block side by side in the grid.
+   super-chunk's 16-byte loads in flight while one is decoded): h[ks, pair, row] = partial sums. Above 8 tokens
+   the columns come in groups of 8 NT (NT = 1 up to :data:`NT1_MAX_TOKENS` tokens, else 2): a routed CTA runs its
+   expert's groups one after another (a second group only when more than 8 NT tokens picked the expert; it reads
+   the CTA's weights again, from L2 where they still are), the shared expert gets a CTA per group, the groups of one
+   row block side by side in the grid.
 3. ``moe_act``: act = SiLU(gate) * up from h's splits (rounded to bf16 as the reference's bf16 model does), staged
    like the tokens, one CTA per (token, expert) pair.
 4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
@@ -79,9 +80,16 @@ register caps scale with it (NT = 1: 128 a thread, 16 warps an SM; FC1_MIN_CTAS 
 CTA stages its tokens' K range whatever its size (FC1 at NT = 1, H = 6144: 49 KB, 4 CTAs an SM), so smaller CTAs
 need more K splits to keep 16 warps an SM."""
 _WARPS_TAKEN = (1, 2, 4)
-MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..16: NT = 2 (a CTA runs two tiles when
-# more than 8 of the tokens picked its expert, else one); 17..64: the wide NT = 2 build (column groups of 16)
-ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 (the decode builds' 8 NT tokens) or 8 (17..64 tokens)
+MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..NT1_MAX_TOKENS: the NT = 1 looping build
+# (column groups of 8); above: the NT = 2 looping build (column groups of 16: two tiles at once)
+NT1_MAX_TOKENS = 32
+"""9..this many tokens run the NT = 1 build whose CTAs loop over column groups of 8 (the shared expert a CTA per
+group: its weights read once a group), more the NT = 2 one (groups of 16, two MMA tiles at once). At NT = 2 FC2
+takes 168 registers (3 CTAs an SM) and FC1 spills or does the same, while at 9-32 tokens almost every routed expert
+has at most 8 tokens: a second MMA tile mostly idles. Measured on the H200 (whole op from CUDA graphs, same run,
+benchmarks/RESULTS.md session 25) against the NT = 2 builds: T = 12 -2.3%, 16 -3.4%, 20 -3.8%, 24 -5.2%, 32 -2%;
+T = 9 +1.3% (inside the noise), 40 +1.8%, 48 +1.9%, 64 +7% (the shared expert's 8 groups read its weights 8 times)."""
+ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 or 8 (its staging for 8, 16 or 64 tokens: route_nt)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -95,15 +103,17 @@ PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 :data:`PDL_KERNELS`): each starts while its predecessor runs, FC1's shared-expert items run their whole GEMV during
 the routing launch (module docstring, launch 2), FC2 finds its expert during act. Measured on the H200 (same run,
 benchmarks/RESULTS.md session 18): T = 16 2.2-2.5% faster, T = 4 ~1.5% (inside the noise), T = 1 the experts alone
-~5 us slower (cause not measured), so only the two-tile (T > 8) build uses it."""
+~5 us slower (cause not measured), so only the NT = 2 builds use it. Session 25, whole op, two alternations: T = 1
+none 62.8 / 65.7 us, all four 66.9 / 66.6, FC1 alone 65.4 / 65.9, FC2 alone 65.9 / 66.4; T = 4 and 8 all within 1%;
+the NT = 1 looping build (T = 12..32) with all four within +-1% of none."""
 FC1_MIN_CTAS: dict[int | str, int] = {2: 4, "wide": 0}
-"""Per build (NT, or "wide" for 17..64 tokens), FC1 CTAs of 4 warps an SM the compiler must fit (``__launch_bounds__``
-minimum, scaled to 4 / WARPS as many CTAs of another size; 0: the compiler's choice). Left to itself it takes 167
-registers at NT = 2, i.e. 3 CTAs an SM. Forcing 4 at NT = 2 (128 registers, 3 spilled words then; 4 since session
-21's one- or two-tile choice per CTA) made FC1 10.5% faster at T = 16, 8.6% at T = 12, 7.5% at T = 9 (same run,
-bitwise the same output; benchmarks/RESULTS.md session 18). The wide build's loop over column groups spills 18 words
-at 4 (168 registers and none at its own choice): its own choice measured 4% faster at T = 64, 3% at T = 32, the same
-at T = 24 (session 23)."""
+"""Per build (NT, or "wide" for the looping builds), FC1 CTAs of 4 warps an SM the compiler must fit
+(``__launch_bounds__`` minimum, scaled to 4 / WARPS as many CTAs of another size; 0: the compiler's choice; at NT = 1
+the launch bounds already ask for 4). Left to itself it takes 167 registers at NT = 2, i.e. 3 CTAs an SM. Forcing 4
+in the plain NT = 2 build (no longer chosen since session 25, kept for benchmarks: 128 registers, 3 spilled words)
+made FC1 10.5% faster at T = 16, 8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output;
+benchmarks/RESULTS.md session 18). The NT = 2 looping build spills 18 words at 4 (168 registers and none at its own
+choice): its own choice measured 4% faster at T = 64, 3% at T = 32, the same at T = 24 (session 23)."""
 
 
 def _rows_per_cta() -> int:
@@ -124,8 +134,8 @@ def _splits(hidden: int, shared_inter: int, nt: int) -> tuple[int, int, int]:
 
 
 def _nt(tokens: int) -> int:
-    """8-token MMA column tiles for T tokens."""
-    return 1 if tokens <= 8 else 2
+    """8-token MMA column tiles a CTA runs at once for T tokens (:data:`NT1_MAX_TOKENS`)."""
+    return 1 if tokens <= NT1_MAX_TOKENS else 2
 
 
 def _cta_too_small(tmax: int) -> str | None:
@@ -135,8 +145,25 @@ def _cta_too_small(tmax: int) -> str | None:
 
 
 def _wide(tokens: int) -> bool:
-    """Whether T tokens need the wide build (more than 16: its CTAs loop over column groups of 16)."""
-    return tokens > 16
+    """Whether T tokens need a looping ("wide") build: more than 8, so its CTAs loop over column groups of 8 NT."""
+    return tokens > 8
+
+
+def _tmax(nt: int, wide: bool) -> int:
+    """Tokens the build of NT (looping or not) takes: 8 NT, or the most that :func:`_nt` gives that NT."""
+    if not 8 <= NT1_MAX_TOKENS <= MAX_TOKENS:
+        raise ConfigError(f"moe_cuda: NT1_MAX_TOKENS = {NT1_MAX_TOKENS}: must be 8..{MAX_TOKENS}")
+    return (NT1_MAX_TOKENS if nt == 1 else MAX_TOKENS) if wide else 8 * nt
+
+
+def decode_build(tokens: int) -> tuple[int, bool]:
+    """(NT, looping) of the decode build :func:`moe_decode_mma` runs for T tokens (:func:`mma_specs`' arguments)."""
+    return _nt(tokens), _wide(tokens)
+
+
+def build_tokens() -> tuple[int, ...]:
+    """One token count for each decode build that :func:`moe_decode_mma` chooses (for the offline lowering)."""
+    return tuple(sorted({1, 9, NT1_MAX_TOKENS + 1} & set(range(1, MAX_TOKENS + 1))))
 
 
 def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
@@ -150,7 +177,7 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         return f"activations are {act_dtype}: bf16 or float32 only"
     if not 1 <= tokens <= MAX_TOKENS:
         return f"T = {tokens}: the CUDA decode kernels take 1..{MAX_TOKENS} tokens"
-    why = _cta_too_small(MAX_TOKENS if _wide(tokens) else 8 * _nt(tokens))
+    why = _cta_too_small(_tmax(_nt(tokens), _wide(tokens)))
     if why:
         return f"T = {tokens}: {why}"
     if experts > 1024 or top_k > 64:
@@ -197,9 +224,9 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
               wide: bool = False) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens);
-    ``wide``: the build for up to :data:`MAX_TOKENS` tokens (NT = 2; its CTAs loop over column groups of 16), else
-    for 8 NT."""
-    tmax = MAX_TOKENS if wide else 8 * nt
+    ``wide``: the looping build of NT (its CTAs loop over column groups of 8 NT; NT = 1 up to
+    :data:`NT1_MAX_TOKENS` tokens, NT = 2 up to :data:`MAX_TOKENS`), else the build for 8 NT."""
+    tmax = _tmax(nt, wide)
     if WARPS not in _WARPS_TAKEN:
         raise ConfigError(f"moe_cuda: WARPS = {WARPS}: the decode kernels take {_WARPS_TAKEN}")
     why = _cta_too_small(tmax)
@@ -245,8 +272,9 @@ def route_supported(hidden: int, experts: int, top_k: int, act_dtype: str, token
 
 
 def route_nt(tokens: int) -> int:
-    """The routing kernel's build for T tokens: 8 NT >= T tokens (the decode build's NT, 8 for the wide one)."""
-    return 8 if _wide(tokens) else _nt(tokens)
+    """The routing kernel's build for T tokens: the smallest of NT = 1, 2, 8 with 8 NT >= T (its staging and logits
+    buffers hold 8 NT tokens)."""
+    return 1 if tokens <= 8 else 2 if tokens <= 16 else 8
 
 
 def route_split(hidden: int, experts: int) -> tuple[int, int]:
@@ -427,13 +455,13 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     shared = shared_w13 is not None
     s = shared_w13.data.shape[0] // 2 if shared else 0
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
-    nt = _nt(t)
+    nt, wide = decode_build(t)
     ks1, ks1s, ks2s = _splits(hidden, s, nt)
     if not {ks1, ks1s} <= {1, 2, 4, 8}:  # moe_act sums FC1's splits by templates for these counts only
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
     if ks1s < ks1:  # FC1's shared memory holds the routed split's K range (_fc1_smem)
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: the shared expert's must be at least the routed's")
-    stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt, _wide(t))
+    stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt, wide)
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
     if x.is_cuda and torch.cuda.is_current_stream_capturing() and not is_prepacked(*packed):
         raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "

@@ -11,7 +11,7 @@ import torch
 
 from m3c.backends.cuda_aot import compile_cuda, disassemble
 from m3c.backends.kernels import moe_cuda
-from m3c.errors import ShapeError
+from m3c.errors import ConfigError, ShapeError
 from m3c.model_defs import quant
 
 F16_HIGH = (0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46)  # f16 high bytes of 0, .5, 1, 1.5, 2, 3, 4, 6
@@ -98,9 +98,12 @@ def test_supported_reasons() -> None:
     assert "1..64" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 65)
     assert "MXFP8 or none" in moe_cuda.mma_supported(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "bf16", 1)
     assert "multiples of 256" in moe_cuda.mma_supported(6144 + 128, 1536, 64, 8, 1536, "bf16", "nvfp4", None, 1)
-    # H = 256 x 29: one FC1 K split, so 16 staged tokens need 237,696 bytes of shared memory (> 227 KB); 8 fit
-    assert "shared memory" in moe_cuda.mma_supported(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 16)
-    assert moe_cuda.mma_supported(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", 8) is None
+    # H = 256 x 29: one FC1 K split, so 16 staged tokens (NT = 2, above NT1_MAX_TOKENS) need 237,696 bytes of
+    # shared memory (> 227 KB); 8 at a time fit (the NT = 1 builds, looping over groups of 8 above 8 tokens)
+    big = moe_cuda.NT1_MAX_TOKENS + 1
+    assert "shared memory" in moe_cuda.mma_supported(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", big)
+    for t in (8, 16, moe_cuda.NT1_MAX_TOKENS):
+        assert moe_cuda.mma_supported(7424, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8", t) is None
     from m3c.backends.cuda_aot import CudaKernelSpec
     from m3c.backends.kernels.megamoe import megamoe_specs
 
@@ -108,7 +111,9 @@ def test_supported_reasons() -> None:
               if isinstance(sp, CudaKernelSpec)]
     cuda = [sp for sp in listed if sp.family != "megamoe_prefill_wgmma"]
     assert len(listed) - len(cuda) == 2  # the wgmma prefill's FC1 and FC2 (H = 7424 is a multiple of 256)
-    assert len(cuda) == 6 and all(dict(sp.defines)["NT"] == 1 for sp in cuda)  # 5 expert kernels + routing
+    decode = [sp for sp in cuda if sp.kernel != "moe_route_stage"]  # the NT = 1 builds, plain and looping
+    assert len(decode) == 10 and all(dict(sp.defines)["NT"] == 1 for sp in decode)
+    assert len(cuda) - len(decode) == 3  # routing for 8, 16 and 64 tokens (up to 32 run here)
     assert all(sp.shared_bytes <= moe_cuda.SMEM_LIMIT for sp in cuda)
 
 
@@ -178,7 +183,7 @@ def mxfp8(*shape: int) -> quant.MXFP8Tensor:
 
 
 def test_wide_build_compiles_without_spills() -> None:
-    """17..64 tokens: the wide NT = 2 build (TMAX = 64, its CTAs loop over column groups of 16) is its own set of
+    """Above NT1_MAX_TOKENS tokens: the NT = 2 looping build (TMAX = 64, column groups of 16) is its own set of
     binaries, FC1 at the compiler's register choice (FC1_MIN_CTAS["wide"] = 0), and neither GEMV kernel spills."""
     narrow = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 2)
     wide = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 2, wide=True)
@@ -190,6 +195,28 @@ def test_wide_build_compiles_without_spills() -> None:
         sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
         sass = sass.split("Function :")[0]
         assert "HMMA.16816.F32" in sass and "STL" not in sass, spec.kernel
+
+
+def test_nt1_looping_build_takes_9_to_nt1_max_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """9..NT1_MAX_TOKENS tokens: the NT = 1 build whose CTAs loop over column groups of 8 (TMAX = NT1_MAX_TOKENS),
+    its own binaries, staging what the 8-token build stages, FC1 without spills and FC2 with at most 4 spilled
+    words; more tokens take the NT = 2 looping build, and a setting outside 8..64 is refused by name."""
+    plain = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 1)
+    loop = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", *moe_cuda.decode_build(9))
+    assert moe_cuda.decode_build(9) == (1, True) == moe_cuda.decode_build(moe_cuda.NT1_MAX_TOKENS)
+    assert moe_cuda.decode_build(moe_cuda.NT1_MAX_TOKENS + 1) == (2, True) and moe_cuda.decode_build(8) == (1, False)
+    assert all(dict(sp.defines)["TMAX"] == moe_cuda.NT1_MAX_TOKENS and dict(sp.defines)["NT"] == 1 for sp in loop)
+    assert not {sp.key() for sp in loop} & {sp.key() for sp in plain}
+    assert [sp.shared_bytes for sp in loop] == [sp.shared_bytes for sp in plain]
+    for spec, spills in ((loop[1], 0), (loop[3], 4)):
+        sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
+        sass = sass.split("Function :")[0]
+        assert "HMMA.16816.F32" in sass and sass.count("STL") <= spills, spec.kernel
+    monkeypatch.setattr(moe_cuda, "NT1_MAX_TOKENS", 16)
+    assert moe_cuda.decode_build(17) == (2, True) and moe_cuda.build_tokens() == (1, 9, 17)
+    monkeypatch.setattr(moe_cuda, "NT1_MAX_TOKENS", 4)
+    with pytest.raises(ConfigError, match="NT1_MAX_TOKENS = 4"):
+        moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 1, wide=True)
 
 
 def test_load_probe_build_streams_the_weights_without_math(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,8 +237,6 @@ def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPa
     """NATURAL: FC1 / FC2 get the routed experts' own codes and scales (no prepacked copy made), the shared expert
     stays prepacked; misaligned or mis-shaped routed weights and DECODE = 1 are refused before any launch (meta and
     CPU tensors stand in for the GPU)."""
-    from m3c.errors import ConfigError
-
     h, inter, e, k, s, t = 512, 256, 8, 2, 256, 3
     monkeypatch.setattr(moe_cuda, "NATURAL", True)
 
@@ -268,7 +293,7 @@ def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode", [0, 1])
-@pytest.mark.parametrize("t", [1, 3, 8, 13, 16, 17, 40, 64])
+@pytest.mark.parametrize("t", [1, 3, 8, 13, 16, 17, 32, 33, 40, 64])
 @pytest.mark.parametrize("shared", ["mxfp8", "none"])
 def test_moe_decode_mma_matches_reference(t: int, shared: str, decode: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(moe_cuda, "DECODE", decode)
@@ -375,10 +400,13 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     specs = megamoe_specs(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
     cuda = [s for s in specs if isinstance(s, CudaKernelSpec)]
     names = ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine", "moe_route_stage"]
-    # NT = 1, 2 and the wide build (17..64 tokens), each with its routing launch; the wgmma prefill
-    assert [s.kernel for s in cuda] == names * 3 + ["moe_pf_fc1", "moe_pf_fc2"]
+    # the decode builds for 1..8, 9..NT1_MAX_TOKENS and more tokens, the routing launch's for 8, 16 and 64; the
+    # wgmma prefill
+    assert [s.kernel for s in cuda] == names[:5] * 3 + names[5:] * 3 + ["moe_pf_fc1", "moe_pf_fc2"]
     assert len({s.key() for s in cuda}) == 20
-    assert [dict(s.defines).get("TMAX") for s in cuda[12:17]] == [64] * 5 and dict(cuda[17].defines)["NT"] == 8
+    builds = [(dict(s.defines)["NT"], dict(s.defines).get("TMAX")) for s in cuda[:15]]
+    assert builds == [(1, None)] * 5 + [(1, moe_cuda.NT1_MAX_TOKENS)] * 5 + [(2, 64)] * 5
+    assert [dict(s.defines)["NT"] for s in cuda[15:18]] == [1, 2, 8]
     got = compile_kernels(cuda[:2])
     assert [k.key for k in got] == [s.key() for s in cuda[:2]] and got[1].shared_bytes == cuda[1].shared_bytes
     assert got[1].arg_types[:4] == ["*u8", "*u8", "*u8", "i32"]  # fc1: x, x16, xmult, T
@@ -405,7 +433,7 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
 
     w13, w2 = nvfp4(e, 2 * inter, h), nvfp4(e, h, inter)
     s13, s2 = mxfp8(2 * s, h), mxfp8(h, s)
-    for t in (1, 8, 9, 16, 17, 40, 64):
+    for t in (1, 8, 9, 16, 17, 32, 33, 40, 64):
         seen: list = []
         x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
         megamoe(x, torch.empty(e, h, device="meta"), torch.empty(e, device="meta"), w13, w2, s13, s2, top_k=k,
@@ -419,13 +447,15 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
         assert all(sp.key() in listed for sp, _, _ in seen), t
         defines = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == "moe_fc1").defines)
         nt = defines["NT"]
-        assert nt == (1 if t <= 8 else 2) and defines.get("TMAX") == (64 if t > 16 else None), t
+        loop_tmax = moe_cuda.NT1_MAX_TOKENS if t <= moe_cuda.NT1_MAX_TOKENS else 64
+        assert nt == (1 if t <= moe_cuda.NT1_MAX_TOKENS else 2), t
+        assert defines.get("TMAX") == (loop_tmax if t > 8 else None), t
         for sp, _grid, args in seen:
             if getattr(sp, "kernel", None):
                 assert len(args) == len(sp.arg_types), sp.kernel
         fc1_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc1")
         fc2_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc2")
-        ks1, groups = 2 * nt, -(-t // 16) if t > 8 else 1  # the shared expert: a CTA per column group of 16
+        ks1, groups = 2 * nt, -(-t // (8 * nt))  # the shared expert: a CTA per column group of 8 NT
         assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1 * groups
         assert fc2_grid[0] == min(e, t * k) * (h // 128) + (h // 128) * 2 * groups
         if routed_here:

@@ -3,7 +3,7 @@
 really launches (meta tensors: no data): every CTA of the grid decodes its item as the kernel does, and the rows and
 columns it writes are counted. Each routed pair's and each shared token's output rows must be written exactly once,
 nothing else at all (a pair whose id is out of range: never). The CPU's check that the host's grids and the
-kernels' item decoding agree, for the narrow builds and the wide one (17..64 tokens, hot experts included)."""
+kernels' item decoding agree, for the plain builds and the looping ones (above 8 tokens, hot experts included)."""
 
 from __future__ import annotations
 
@@ -103,8 +103,8 @@ def _expected(ids: np.ndarray, t: int, top_k: int, e: int, ks_routed: int, ks_sh
 
 
 @pytest.mark.parametrize("t,hot,warps", [(1, 0, 4), (5, 5, 4), (8, 8, 4), (9, 0, 4), (16, 16, 4), (17, 0, 4),
-                                         (24, 17, 4), (40, 33, 4), (64, 64, 4), (64, 0, 4),
-                                         (1, 0, 1), (6, 6, 1), (16, 9, 1), (4, 0, 2), (40, 33, 2)])
+                                         (24, 17, 4), (32, 9, 4), (33, 0, 4), (40, 33, 4), (64, 64, 4), (64, 0, 4),
+                                         (1, 0, 1), (6, 6, 1), (16, 9, 1), (32, 17, 1), (4, 0, 2), (40, 33, 2)])
 @pytest.mark.parametrize("shared", [256, 0])
 def test_every_output_row_is_written_once(t: int, hot: int, warps: int, shared: int,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,7 +118,8 @@ def test_every_output_row_is_written_once(t: int, hot: int, warps: int, shared: 
         ids[2, 1] = e  # an out-of-range id (NaN router logits): no CTA writes its pair
     launches = _launches(t, hidden, inter, e, top_k, shared)
     fc1, fc2 = launches["moe_fc1"], launches["moe_fc2"]
-    assert dict(fc1[0].defines).get("TMAX") == (64 if t > 16 else None)
+    loop_tmax = moe_cuda.NT1_MAX_TOKENS if t <= moe_cuda.NT1_MAX_TOKENS else 64
+    assert dict(fc1[0].defines).get("TMAX") == (loop_tmax if t > 8 else None)
     a1, a2 = fc1[2], fc2[2]
     got1 = _coverage("moe_fc1", fc1, ids, t, top_k)
     want1 = _expected(ids, t, top_k, e, a1["KSr"], a1["KSs"], 2 * inter, 2 * shared, got1.shape)
@@ -129,17 +130,18 @@ def test_every_output_row_is_written_once(t: int, hot: int, warps: int, shared: 
 
 
 def test_a_cta_size_the_kernels_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """find_tokens compacts 32 tokens a warp: one warp cannot run the wide build (17..64 tokens), so the decode
-    refuses those calls (megamoe then takes its other path) and the build itself; the launch bounds count 16 warps
-    an SM, so only 1, 2 or 4 warps a CTA are taken."""
+    """find_tokens compacts 32 tokens a warp: one warp cannot run the NT = 2 looping build (up to 64 tokens, above
+    NT1_MAX_TOKENS), so the decode refuses those calls (megamoe then takes its other path) and the build itself; the
+    launch bounds count 16 warps an SM, so only 1, 2 or 4 warps a CTA are taken."""
     from m3c.errors import ConfigError, ShapeError
 
     monkeypatch.setattr(moe_cuda, "WARPS", 1)
+    big = moe_cuda.NT1_MAX_TOKENS + 1
     assert moe_cuda.mma_specs(1024, 256, 256, "bf16", 2)[1].defines[0] == ("WARPS", 1)
-    assert "WARPS = 1" in moe_cuda.mma_supported(1024, 256, 16, 4, 256, "bf16", "nvfp4", "mxfp8", 17)
-    assert moe_cuda.mma_supported(1024, 256, 16, 4, 256, "bf16", "nvfp4", "mxfp8", 16) is None
+    assert "WARPS = 1" in moe_cuda.mma_supported(1024, 256, 16, 4, 256, "bf16", "nvfp4", "mxfp8", big)
+    assert moe_cuda.mma_supported(1024, 256, 16, 4, 256, "bf16", "nvfp4", "mxfp8", big - 1) is None
     with pytest.raises(ShapeError, match="WARPS = 1"):
-        _launches(17, 1024, 256, 16, 4, 256)
+        _launches(big, 1024, 256, 16, 4, 256)
     with pytest.raises(ConfigError, match="WARPS = 1"):
         moe_cuda.mma_specs(1024, 256, 256, "bf16", 2, wide=True)
     monkeypatch.setattr(moe_cuda, "WARPS", 3)

@@ -43,7 +43,7 @@
 #endif
 #define MAXT (8 * NT)  // MMA columns a CTA runs at once (one column group)
 #ifndef TMAX
-#define TMAX MAXT  // tokens a launch takes (moe_cuda: 8 NT, or MAX_TOKENS for the wide build); find_tokens compacts
+#define TMAX MAXT  // tokens a launch takes (moe_cuda: 8 NT, or more for the looping builds); find_tokens compacts
 #endif             // them 32 a warp
 #define GROUPS ((TMAX + MAXT - 1) / MAXT)  // column groups a CTA may run (1: the loop over them is straight code)
 static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
