@@ -147,7 +147,8 @@ def main() -> None:
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
     rows = token_sweep("moe_mma", args.tokens, lambda t: run(t, moe, mm, gen, settings), shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'nt1':>3} {'cuda':>8} {'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
+    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'nt1':>3} {'cuda':>8} {'triton':>8} "
+          f"{'floor':>7} {'%bw':>5} {'whole':>8} "
           f"{'megamoe':>8} {'old rt':>8} {'route':>7} {'old rt':>7} {'err':>8} {'tri err':>8}")
     for r in rows:
         if "error" in r:

@@ -39,6 +39,7 @@ from m3c.backends.kernels import moe_prefill_cuda
 from m3c.backends.kernels.host import cuda_kernel_device
 from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
 from m3c.backends.kernels.moe_cuda import (
+    ROUTE_BUILD_TOKENS,
     build_tokens,
     call_support,
     decode_build,
@@ -105,10 +106,10 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
                   prefill_precision: str | None = None) -> list[KernelSpec | CudaKernelSpec]:
     """Every kernel spec :func:`megamoe` launches for this layout by default (GPU settings): the routing
     (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 64 where the layout allows them (their
-    builds for 1..8, 9..NT1_MAX_TOKENS and more tokens, then the one-launch routing + staging kernel's for 8, 16 and
-    64 where that takes the router, the router weight in float32) and the grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as
-    :func:`megamoe` takes it; ``decode_kernel=True`` launches :func:`m3c.backends.kernels.moe_decode.decode_specs`
-    too; they are not listed here)."""
+    builds for 1..8, 9..NT1_MAX_TOKENS and more tokens, then the one-launch routing + staging kernel's for 8, 16
+    and 64 where that takes the router, the router weight in float32) and the grouped-GEMM kernels, the wgmma ones
+    in ``prefill_precision`` (as :func:`megamoe` takes it; ``decode_kernel=True`` launches
+    :func:`m3c.backends.kernels.moe_decode.decode_specs` too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
     why = megamoe_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt)
     if why is not None:
@@ -117,7 +118,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     for tokens in build_tokens():  # one token count per decode build: 1..8, 9..NT1_MAX_TOKENS, above
         if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
             mma += mma_specs(hidden, inter, shared_inter, act_dtype, *decode_build(tokens))
-    for tokens in (1, 9, 17):  # the routing launch's builds: 8, 16 and 64 tokens
+    for tokens in ROUTE_BUILD_TOKENS:  # the routing launch's builds: 8, 16 and 64 tokens
         if tokens <= MMA_MAX_TOKENS and route_supported(hidden, experts, top_k, act_dtype, tokens) is None \
                 and mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt,
                                   tokens) is None:

@@ -88,7 +88,8 @@ group: its weights read once a group), more the NT = 2 one (groups of 16, two MM
 takes 168 registers (3 CTAs an SM) and FC1 spills or does the same, while at 9-32 tokens almost every routed expert
 has at most 8 tokens: a second MMA tile mostly idles. Measured on the H200 (whole op from CUDA graphs, same run,
 benchmarks/RESULTS.md session 25) against the NT = 2 builds: T = 12 -2.3%, 16 -3.4%, 20 -3.8%, 24 -5.2%, 32 -2%;
-T = 9 +1.3% (inside the noise), 40 +1.8%, 48 +1.9%, 64 +7% (the shared expert's 8 groups read its weights 8 times)."""
+T = 9 +1.3 to +2.8% (its experts alone 3% faster, but the NT = 2 build's PDL overlapped the shared expert with
+routing), 40 +1.8%, 48 +1.9%, 64 +7% (most experts then have more than 8 tokens: two passes over their weights)."""
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 or 8 (its staging for 8, 16 or 64 tokens: route_nt)
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
 NATURAL = False
@@ -275,6 +276,9 @@ def route_nt(tokens: int) -> int:
     """The routing kernel's build for T tokens: the smallest of NT = 1, 2, 8 with 8 NT >= T (its staging and logits
     buffers hold 8 NT tokens)."""
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 8
+
+
+ROUTE_BUILD_TOKENS = (1, 9, 17)  # one token count for each of route_nt's builds (for the offline lowering)
 
 
 def route_split(hidden: int, experts: int) -> tuple[int, int]:
