@@ -86,7 +86,7 @@ def test_hopper_lowering_compiles_the_cuda_moe_kernels_offline() -> None:
     moe = [e for e in program.launch_plan if e.get("op") == "megamoe"]
     assert moe
     cuda = [k for k in moe[0]["specs"] if k.startswith("megamoe_mma")]
-    assert len(cuda) == 15  # the 8-, 16- and 64-token builds (5 kernels each); the first two with their routing
+    assert len(cuda) == 15  # the decode builds for 1..8, 9..32 and 33..64 tokens (5 kernels each)
     assert all("launch_args" not in e for e in moe)  # the default prefill precision: nothing passed on
     msa = [e for e in program.launch_plan if e.get("op") == "msa_attention"]
     assert msa and any(k.startswith("msa_indexer_mma") for k in msa[0]["specs"])

@@ -119,9 +119,8 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
             mma += mma_specs(hidden, inter, shared_inter, act_dtype, *decode_build(tokens))
     for tokens in ROUTE_BUILD_TOKENS:  # the routing launch's builds: 8, 16 and 64 tokens
-        if tokens <= MMA_MAX_TOKENS and route_supported(hidden, experts, top_k, act_dtype, tokens) is None \
-                and mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt,
-                                  tokens) is None:
+        if route_supported(hidden, experts, top_k, act_dtype, tokens) is None and mma_supported(
+                hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
             mma.append(route_stage_spec(hidden, experts, act_dtype, route_nt(tokens)))
     if prefill_wgmma_unsupported(hidden, inter, shared_inter, act_dtype, w13_fmt, shared_fmt) is None:
         mma += moe_prefill_cuda.specs(prefill_precision)

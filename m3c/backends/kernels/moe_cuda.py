@@ -75,7 +75,8 @@ ROUTE_MAX_TOPK = 64  # the routing kernel's per-warp selection buffers
 _ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (132 SMs), all resident at once
 WARPS = 4
 """Warps per FC1 / FC2 CTA (1, 2 or 4): a CTA covers 32 WARPS weight rows (2 tiles of 16 a warp). 4 ships; 1 and 2
-are for benchmarks that size the grid (one warp takes T <= 16 only: find_tokens compacts 32 tokens a warp). The
+are for benchmarks that size the grid (one warp takes only the NT = 1 builds' T <= 32: find_tokens compacts 32
+tokens a warp). The
 register caps scale with it (NT = 1: 128 a thread, 16 warps an SM; FC1_MIN_CTAS counts CTAs of 4 warps), but each
 CTA stages its tokens' K range whatever its size (FC1 at NT = 1, H = 6144: 49 KB, 4 CTAs an SM), so smaller CTAs
 need more K splits to keep 16 warps an SM."""
@@ -114,7 +115,8 @@ the launch bounds already ask for 4). Left to itself it takes 167 registers at N
 in the plain NT = 2 build (no longer chosen since session 25, kept for benchmarks: 128 registers, 3 spilled words)
 made FC1 10.5% faster at T = 16, 8.6% at T = 12, 7.5% at T = 9 (same run, bitwise the same output;
 benchmarks/RESULTS.md session 18). The NT = 2 looping build spills 18 words at 4 (168 registers and none at its own
-choice): its own choice measured 4% faster at T = 64, 3% at T = 32, the same at T = 24 (session 23)."""
+choice): its own choice measured 4% faster at T = 64, 3% at T = 32, the same at T = 24 (session 23, when it ran
+17..64 tokens)."""
 
 
 def _rows_per_cta() -> int:

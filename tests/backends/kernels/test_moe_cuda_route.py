@@ -257,6 +257,9 @@ def test_route_supported_and_spec() -> None:
     assert moe_cuda.route_supported(6144, 256, 8, "bf16", 64) is None  # 64 KB of logits: dynamic shared memory
     assert "1..64" in moe_cuda.route_supported(6144, 64, 8, "bf16", 65)
     assert [moe_cuda.route_nt(t) for t in (1, 8, 9, 16, 17, 64)] == [1, 1, 2, 2, 8, 8]
+    # the offline lowering's token counts reach every build route_nt picks, each once
+    builds = [moe_cuda.route_nt(t) for t in moe_cuda.ROUTE_BUILD_TOKENS]
+    assert sorted(builds) == sorted({moe_cuda.route_nt(t) for t in range(1, moe_cuda.ROUTE_MAX_TOKENS + 1)})
     assert "at most 256" in moe_cuda.route_supported(6144, 512, 8, "bf16", 1)
     assert "top-64" in moe_cuda.route_supported(6144, 128, 65, "bf16", 1)
     assert "multiple of 128" in moe_cuda.route_supported(6144 + 64, 64, 8, "bf16", 1)

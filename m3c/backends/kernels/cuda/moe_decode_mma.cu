@@ -682,9 +682,10 @@ __device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, 
 // cnt columns in turn (more than one only when more than MAXT tokens picked the expert: each further group reads the
 // CTA's weights again, from L2 where they still are), shared blocks their own group of the T tokens. The block and
 // its range wait in shared memory, read back (volatile) at each group: with them in registers across the GEMV,
-// offline sm_90a, FC2 at NT 2 took 221-243 registers instead of 168. Even so a loop over groups makes FC1 spill
-// (88 bytes at NT 1, 184 at NT 2) and the narrow builds 2-4% slower (T = 4, 16 on the H200), so only the wide build
-// (GROUPS > 1) loops (for_groups); the others run their one group as before.
+// offline sm_90a, FC2 at NT 2 took 221-243 registers instead of 168. Even so a loop over groups made the 8- and
+// 16-token builds' FC1 spill (88 / 184 bytes) and those builds 2-4% slower (T = 4, 16 on the H200, session 23), so
+// only the looping builds (GROUPS > 1: NT 1 for 9..NT1_MAX_TOKENS tokens, NT 2 above) loop (for_groups); the 8-token
+// build runs its one group as before.
 struct Groups {
   Block b;
   int c0, c1;
@@ -712,8 +713,8 @@ __device__ __forceinline__ bool get_group(const Groups* gs, int i, Block& b, int
   return n > 0;
 }
 
-// run(block, c0, n) for each column group of the block (cnt columns; the wide build), through shared memory as above,
-// with a barrier between groups (the next one overwrites the staged columns).
+// run(block, c0, n) for each column group of the block (cnt columns; the looping builds), through shared memory as
+// above, with a barrier between groups (the next one overwrites the staged columns).
 template <class Run>
 __device__ __forceinline__ void for_groups(Groups* gs, const Block& b, int cnt, Run run) {
   put_groups(gs, b, cnt);
