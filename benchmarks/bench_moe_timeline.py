@@ -10,7 +10,7 @@ to the replay's first kernel, its duration and its gap from its predecessor's en
 over the replays. If PDL's kernels start early but end late, or a gap appears where none was, it shows where.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_timeline.py [--tokens 1,4,16] [--pdl none fc1,act,fc2,combine]
-    [--whole]   (--whole: the whole op, the MegaMoE module with its routing launch, instead of the expert launches alone)
+    [--whole]   (--whole: the whole op, the MegaMoE module with its routing launch, not the expert launches alone)
 """
 
 from __future__ import annotations
