@@ -6,8 +6,10 @@
 // (PyPI).
 // Compile-time settings: NT (8-token groups: T <= 8 NT; moe_cuda builds 1, 2 and 8), ACT_BF16 (tokens bf16, else
 // float32), CH (float4 K chunks per lane: a CTA's K slice is 128 CH), KSPLIT (K slices: H = 128 CH KSPLIT), ESLOTS
-// (experts per lane in the routing warps: E <= 32 ESLOTS). Dynamic shared memory: the merged logits, 8 NT x 32 ESLOTS
-// floats (64 tokens of 256 experts: 64 KB, more than a static array may take).
+// (experts per lane in the routing warps: E <= 32 ESLOTS), L2PF (1: thread 0 of each CTA first asks L2 for its share of
+// the pf0 / pf1 byte ranges, 16-byte units: the shared expert's FC1 weights, which the next launch reads first and
+// which do not depend on the routing, fetched while the routing leaves HBM idle). Dynamic shared memory: the merged
+// logits, 8 NT x 32 ESLOTS floats (64 tokens of 256 experts: 64 KB, more than a static array may take).
 //
 // Grid: T staging CTAs, then ceil(E / 8) x KSPLIT GEMV CTAs (8 warps, one expert each, K slice ks of 128 CH).
 // part[(ks T + t) E + e] = the slice's dot product (one per warp and token, a butterfly sum of its lanes; ks outer,
@@ -29,6 +31,9 @@
 #endif
 #ifndef ESLOTS
 #define ESLOTS 2
+#endif
+#ifndef L2PF
+#define L2PF 0
 #endif
 #define MAXT (8 * NT)
 #define MAXE (32 * ESLOTS)
@@ -158,12 +163,19 @@ __device__ void route_token(const float* logit, const float* bias, int E, int to
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_route_stage(const void* x, const float* gate, const float* bias, int T, int H, int E, int topk,
                 float scale, int norm, long long* ids, float* wts, float* logits, u16* x16, float* xmult,
-                float* part, int* counter, void* scratch0, void* scratch1) {
+                float* part, int* counter, const u8* pf0, int pf0_units, const u8* pf1, int pf1_units,
+                void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) float logit[];  // [MAXT * MAXE]
   __shared__ float red[WARPS_R];
   __shared__ u32 sel_id[WARPS_R][MAXK];
   __shared__ float sel_s[WARPS_R][MAXK];
   __shared__ int is_last;
+#if L2PF
+  if (threadIdx.x == 0) {  // constant weights: no wait needed
+    l2_prefetch_share(pf0, pf0_units, blockIdx.x, gridDim.x);
+    l2_prefetch_share(pf1, pf1_units, blockIdx.x, gridDim.x);
+  }
+#endif
   grid_wait();               // a no-op unless launched programmatically: x is complete past it
   grid_launch_dependents();  // moe_fc1's shared-expert items run meanwhile (they read x, so after the wait)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
