@@ -94,8 +94,9 @@ routing), 40 +1.8%, 48 +1.9%, 64 +7% (most experts then have more than 8 tokens:
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 or 8 (its staging for 8, 16 or 64 tokens: route_nt)
 ROUTE_L2_PREFETCH = False
 """Have the routing launch (:func:`route_stage`) ask L2 for the shared expert's FC1 weights (its prepacked MXFP8
-codes and its scales, ~19 MB at m3.1-small) while it routes: without programmatic launches (T <= 32) HBM is idle
-during routing (5-9 us), and FC1's shared-expert CTAs, which read those bytes, come first in FC1's grid; the bytes
+codes and its scales, ~19 MB at m3.1-small) while it routes (each CTA but the last, once its own loads are done, so
+the routing's loads never queue behind them): without programmatic launches (T <= 32) HBM is idle during routing
+(5-9 us), and FC1's shared-expert CTAs, which read those bytes, come first in FC1's grid; the bytes
 fit L2 (50 MB). Prediction: FC1 up to ~4.5 us shorter (19 MB at ~4.3 TB/s), the whole op at T = 1 ~63.5 -> ~59-60 us;
 nothing if the bulk prefetches are dropped or evicted before FC1. Off: written without a GPU (session 25), the
 output is unchanged by construction (a prefetch writes nothing); to be timed (bench_moe_mma.py --l2pf 0 1)."""
