@@ -266,7 +266,7 @@ def test_route_supported_and_spec() -> None:
     spec = moe_cuda.route_stage_spec(6144, 64, "bf16", 1)
     assert spec is moe_cuda.route_stage_spec(6144, 64, "bf16", 1)  # cached
     assert dict(spec.defines) == {"NT": 1, "ACT_BF16": 1, "CH": 2, "KSPLIT": 24, "ESLOTS": 2}
-    assert spec.num_warps == 8 and dict(spec.arg_types)["scale"] == "fp32" and len(spec.arg_types) == 16
+    assert spec.num_warps == 8 and dict(spec.arg_types)["scale"] == "fp32" and len(spec.arg_types) == 20
     # the merged logits in dynamic shared memory, 8 NT tokens x 32 ESLOTS experts: 2 KB here, 64 KB at most
     assert spec.shared_bytes == 8 * 64 * 4
     assert moe_cuda.route_stage_spec(6144, 256, "bf16", 8).shared_bytes == 64 * 256 * 4
