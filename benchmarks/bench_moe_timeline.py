@@ -29,24 +29,23 @@ from bench_moe_mma import INTER, E, H, K, S, decode_point
 from m3c.backends.kernels import moe_cuda
 from m3c.fused.moe import MegaMoE, random_moe
 
-REPLAYS = 30
+REPLAYS, WARM = 30, 5
 
 
 def kernel_spans(fn, replays: int = REPLAYS) -> list[list[tuple[str, float, float]]]:
-    """fn captured in a CUDA graph and replayed `replays` times under torch.profiler: per replay, its kernels as
-    (name, start µs, end µs) in start order (replays told apart by the first kernel's name recurring)."""
+    """fn captured in a CUDA graph and replayed WARM + `replays` times under torch.profiler: per timed replay, its
+    kernels as (name, start µs, end µs) in start order (replays told apart by the first kernel's name recurring).
+    The capture happens inside the profiler, so CUPTI sees the graph's kernel nodes however the torch build traces
+    graphs; the first WARM replays are dropped."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # warm-up: compiles, prepacked weights
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        for _ in range(WARM + replays):
             graph.replay()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
@@ -63,6 +62,7 @@ def kernel_spans(fn, replays: int = REPLAYS) -> list[list[tuple[str, float, floa
         if k[0] == first or not runs:
             runs.append([])
         runs[-1].append(k)
+    runs = runs[WARM:] if len(runs) > WARM else runs
     return [r for r in runs if len(r) == len(runs[0])]
 
 
