@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,10 +77,9 @@ _ROUTE_CTAS = 264  # the GEMV grid's target: at most 2 CTAs per SM of an H200 (1
 WARPS = 4
 """Warps per FC1 / FC2 CTA (1, 2 or 4): a CTA covers 32 WARPS weight rows (2 tiles of 16 a warp). 4 ships; 1 and 2
 are for benchmarks that size the grid (one warp takes only the NT = 1 builds' T <= 32: find_tokens compacts 32
-tokens a warp). The
-register caps scale with it (NT = 1: 128 a thread, 16 warps an SM; FC1_MIN_CTAS counts CTAs of 4 warps), but each
-CTA stages its tokens' K range whatever its size (FC1 at NT = 1, H = 6144: 49 KB, 4 CTAs an SM), so smaller CTAs
-need more K splits to keep 16 warps an SM."""
+tokens a warp). The register caps scale with it (NT = 1: 128 a thread, 16 warps an SM; FC1_MIN_CTAS counts CTAs of
+4 warps), but each CTA stages its tokens' K range whatever its size (FC1 at NT = 1, H = 6144: 49 KB, 4 CTAs an
+SM), so smaller CTAs need more K splits to keep 16 warps an SM."""
 _WARPS_TAKEN = (1, 2, 4)
 MAX_TOKENS = 64  # 1..8 tokens: the NT = 1 build (one 8-column MMA tile); 9..NT1_MAX_TOKENS: the NT = 1 looping build
 # (column groups of 8); above: the NT = 2 looping build (column groups of 16: two tiles at once)
@@ -172,9 +172,14 @@ def decode_build(tokens: int) -> tuple[int, bool]:
     return _nt(tokens), _wide(tokens)
 
 
+def _first_tokens(choice: Callable[[int], Any], most: int) -> tuple[int, ...]:
+    """The token counts 1..most where `choice` (T -> build) picks another build than for T - 1: one per build."""
+    return tuple(t for t in range(1, most + 1) if t == 1 or choice(t) != choice(t - 1))
+
+
 def build_tokens() -> tuple[int, ...]:
     """One token count for each decode build that :func:`moe_decode_mma` chooses (for the offline lowering)."""
-    return tuple(sorted({1, 9, NT1_MAX_TOKENS + 1} & set(range(1, MAX_TOKENS + 1))))
+    return _first_tokens(decode_build, MAX_TOKENS)
 
 
 def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
@@ -188,7 +193,7 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         return f"activations are {act_dtype}: bf16 or float32 only"
     if not 1 <= tokens <= MAX_TOKENS:
         return f"T = {tokens}: the CUDA decode kernels take 1..{MAX_TOKENS} tokens"
-    why = _cta_too_small(_tmax(_nt(tokens), _wide(tokens)))
+    why = _cta_too_small(_tmax(*decode_build(tokens)))
     if why:
         return f"T = {tokens}: {why}"
     if experts > 1024 or top_k > 64:
@@ -288,7 +293,7 @@ def route_nt(tokens: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 8
 
 
-ROUTE_BUILD_TOKENS = (1, 9, 17)  # one token count for each of route_nt's builds (for the offline lowering)
+ROUTE_BUILD_TOKENS = _first_tokens(route_nt, ROUTE_MAX_TOKENS)  # one T for each of route_nt's builds (lowering)
 
 
 def route_split(hidden: int, experts: int) -> tuple[int, int]:
@@ -368,9 +373,10 @@ def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top
     spec = route_stage_spec(hidden, e, act, route_nt(t))
     ksplit = dict(spec.defines)["KSPLIT"]  # the compiled split (whatever route_split would say now)
     part, counter, scratch = _route_workspace(dev, e, ksplit)
+    wanted = l2_prefetch if dict(spec.defines).get("L2PF") else ()
     pf: list[Any] = []
     for i in range(2):  # (tensor, 16-byte units) pairs; an absent one is the workspace with no units
-        v = l2_prefetch[i] if i < len(l2_prefetch) and dict(spec.defines).get("L2PF") else None
+        v = wanted[i] if i < len(wanted) else None
         aligned = v is not None and (v.device.type == "meta" or v.data_ptr() % 16 == 0)
         pf += [v, min(v.numel() * v.element_size() // 16, 2**31 - 1)] if aligned else [part, 0]
     ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)

@@ -6,10 +6,11 @@
 // (PyPI).
 // Compile-time settings: NT (8-token groups: T <= 8 NT; moe_cuda builds 1, 2 and 8), ACT_BF16 (tokens bf16, else
 // float32), CH (float4 K chunks per lane: a CTA's K slice is 128 CH), KSPLIT (K slices: H = 128 CH KSPLIT), ESLOTS
-// (experts per lane in the routing warps: E <= 32 ESLOTS), L2PF (1: each CTA but the last, once its own loads are done,
-// asks L2 for its share of the pf0 / pf1 byte ranges, 16-byte units: the shared expert's FC1 weights, which the next
-// launch reads first and which do not depend on the routing, fetched while the routing leaves HBM idle). Dynamic shared memory: the merged
-// logits, 8 NT x 32 ESLOTS floats (64 tokens of 256 experts: 64 KB, more than a static array may take).
+// (experts per lane in the routing warps: E <= 32 ESLOTS), L2PF (1: each CTA but the last, once its own loads are
+// done, asks L2 for its share of the pf0 / pf1 byte ranges, 16-byte units: the shared expert's FC1 weights, which the
+// next launch reads first and which do not depend on the routing, fetched while the routing leaves HBM idle).
+// Dynamic shared memory: the merged logits, 8 NT x 32 ESLOTS floats (64 tokens of 256 experts: 64 KB, more than a
+// static array may take).
 //
 // Grid: T staging CTAs, then ceil(E / 8) x KSPLIT GEMV CTAs (8 warps, one expert each, K slice ks of 128 CH).
 // part[(ks T + t) E + e] = the slice's dot product (one per warp and token, a butterfly sum of its lanes; ks outer,
