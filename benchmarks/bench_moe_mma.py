@@ -56,6 +56,15 @@ def decode_point(t: int, moe, mm: MegaMoE, gen: torch.Generator) -> tuple[torch.
     return x, ids, w, touched, floor_ms, moe(x.float())
 
 
+def pdl_setting(pdl: str, default: dict[int, tuple[str, ...]]) -> dict[int, tuple[str, ...]]:
+    """moe_cuda.PDL for a --pdl value: "default" (`default`, the module's own), "none", or kernels comma-separated
+    ("fc1,act,fc2,combine") launched programmatically at every NT."""
+    if pdl == "default":
+        return default
+    kernels = tuple(f"moe_{k}" for k in pdl.replace("moe_", "").split(",") if k != "none")
+    return {1: kernels, 2: kernels}
+
+
 def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int, int, int]]
         ) -> list[dict]:
     """One T: check and time every setting."""
@@ -105,9 +114,8 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             moe_cuda.NT1_MAX_TOKENS = saved[4] if nt1 < 0 else nt1
             moe_cuda.ROUTE_L2_PREFETCH = bool(l2pf)
             moe_cuda.FC1_MIN_CTAS = saved[3] if mc < 0 else {1: mc, 2: mc, "wide": mc}
-            kernels = tuple(f"moe_{k}" for k in pdl.replace("moe_", "").split(",") if k != "none")
             moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
-            moe_cuda.PDL = saved[2] if pdl == "default" else {1: kernels, 2: kernels}
+            moe_cuda.PDL = pdl_setting(pdl, saved[2])
             out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
             ref = first.setdefault((dec, nat), out)
             row = dict(base, decode=dec, natural=nat, pdl=pdl, fc1_min_ctas=mc, nt1_max=moe_cuda.NT1_MAX_TOKENS,

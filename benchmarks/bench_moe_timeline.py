@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from _timing import write_results
-from bench_moe_mma import INTER, E, H, K, S, decode_point
+from bench_moe_mma import INTER, E, H, K, S, decode_point, pdl_setting
 
 from m3c.backends.kernels import moe_cuda
 from m3c.fused.moe import MegaMoE, random_moe
@@ -107,8 +107,7 @@ def main() -> None:
         for t in (int(v) for v in args.tokens.split(",")):
             x, ids, w, touched, floor_ms, _ = decode_point(t, moe, mm, gen)
             for pdl in args.pdl:
-                kernels = tuple(f"moe_{k}" for k in pdl.replace("moe_", "").split(",") if k != "none")
-                moe_cuda.PDL = saved if pdl == "default" else {1: kernels, 2: kernels}
+                moe_cuda.PDL = pdl_setting(pdl, saved)
                 row = {"T": t, "pdl": pdl, "whole": args.whole, "experts": touched, "floor_us": floor_ms * 1e3,
                        **summarize(kernel_spans(_call(args.whole, x, ids, w, mm)))}
                 print(json.dumps(row), flush=True)

@@ -132,6 +132,12 @@ def test_kernels_compile_for_sm90a_with_mma_and_prmt(natural: bool, monkeypatch:
             assert "STL" not in sass  # no register spills
 
 
+def kernel_sass(spec) -> str:
+    """The sm_90a SASS of the spec's own kernel (its binary holds the source's other kernels too)."""
+    sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
+    return sass.split("Function :")[0]
+
+
 @pytest.mark.parametrize("tokens", [1, 9, 33])  # the decode builds megamoe runs: 1..8, 9..32, 33..64 tokens
 def test_dependent_launches_wait_and_release_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """PDL: FC1 / act / FC2 / combine are launched programmatically where PDL says (per NT), wait on their
@@ -143,8 +149,7 @@ def test_dependent_launches_wait_and_release_in_sass(tokens: int, monkeypatch: p
     specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)
     assert [sp.pdl for sp in specs] == [False, True, True, True, True]
     for spec in specs:
-        sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
-        sass = sass.split("Function :")[0]
+        sass = kernel_sass(spec)
         assert "ACQBULK" in sass and "PREEXIT" in sass, spec.kernel
         assert sass.count("STL") <= (4 if spec.kernel == "moe_fc2" and (nt, wide) == (1, True) else 0), spec.kernel
     assert "FC1_MIN_CTAS" not in dict(specs[1].defines)  # the compiler's choice in every build that runs
@@ -193,8 +198,7 @@ def test_wide_build_compiles_without_spills() -> None:
     assert not {sp.key() for sp in wide} & {sp.key() for sp in narrow}
     assert [sp.shared_bytes for sp in wide] == [sp.shared_bytes for sp in narrow]  # 16 columns staged at a time
     for spec in (wide[1], wide[3]):
-        sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
-        sass = sass.split("Function :")[0]
+        sass = kernel_sass(spec)
         assert "HMMA.16816.F32" in sass and "STL" not in sass, spec.kernel
 
 
@@ -210,8 +214,7 @@ def test_nt1_looping_build_takes_9_to_nt1_max_tokens(monkeypatch: pytest.MonkeyP
     assert not {sp.key() for sp in loop} & {sp.key() for sp in plain}
     assert [sp.shared_bytes for sp in loop] == [sp.shared_bytes for sp in plain]
     for spec, spills in ((loop[1], 0), (loop[3], 4)):
-        sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
-        sass = sass.split("Function :")[0]
+        sass = kernel_sass(spec)
         assert "HMMA.16816.F32" in sass and sass.count("STL") <= spills, spec.kernel
     monkeypatch.setattr(moe_cuda, "NT1_MAX_TOKENS", 16)
     assert moe_cuda.decode_build(17) == (2, True) and moe_cuda.build_tokens() == (1, 9, 17)
@@ -228,8 +231,7 @@ def test_load_probe_build_streams_the_weights_without_math(monkeypatch: pytest.M
     probe = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 1)
     assert ("DECODE", 2) in probe[1].defines and probe[1].key() != real[1].key()
     for spec in (probe[1], probe[3]):
-        sass = disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1]
-        sass = sass.split("Function :")[0]
+        sass = kernel_sass(spec)
         assert sass.count("LDG.E.NA.128") >= 16, spec.kernel  # two tiles x 4 pieces x 2 buffers, at least
         assert "HMMA" not in sass and "HMUL2" not in sass, spec.kernel
 
