@@ -50,7 +50,6 @@ from m3c.backends.kernels.moe_cuda import (
     route_stage,
     route_stage_spec,
     route_supported,
-    shared_prefetch_targets,
 )
 from m3c.backends.kernels.moe_decode import MAX_DECODE_TOKENS, DecodeWorkspace, moe_decode, shared_format
 from m3c.backends.kernels.moe_prefill import moe_prefill, moe_prefill_specs, moe_prefill_supported
@@ -195,8 +194,7 @@ def megamoe(x: torch.Tensor, gate_w: torch.Tensor | quant.MXFP8Tensor, bias: tor
     if t <= MAX_DECODE_TOKENS and not exact_routing:
         if CUDA_ROUTE and not decode_kernel and _mma_ok(x, w13, shared_w13, top_k) and _route_ok(x, gate_w, top_k):
             ids, weights, x16, xmult = route_stage(x, gate_weight(gate_w, torch.float32), bias, top_k,
-                                                   routed_scaling_factor, norm_topk_prob, runner=runner,
-                                                   l2_prefetch=shared_prefetch_targets(shared_w13))
+                                                   routed_scaling_factor, norm_topk_prob, runner=runner)
             return moe_decode_mma(x, ids, weights, w13, w2, shared_w13, shared_w2, runner=runner, out=out, x16=x16,
                                   xmult=xmult)
         logits = F.linear(x.to(torch.float32), gate_weight(gate_w, torch.float32))

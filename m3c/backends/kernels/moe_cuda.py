@@ -92,14 +92,6 @@ benchmarks/RESULTS.md session 25) against the NT = 2 builds: T = 12 -2.3%, 16 -3
 T = 9 +1.3 to +2.8% (its experts alone 3% faster, but the NT = 2 build's PDL overlapped the shared expert with
 routing), 40 +1.8%, 48 +1.9%, 64 +7% (most experts then have more than 8 tokens: two passes over their weights)."""
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 or 8 (its staging for 8, 16 or 64 tokens: route_nt)
-ROUTE_L2_PREFETCH = False
-"""Have the routing launch (:func:`route_stage`) ask L2 for the shared expert's FC1 weights (its prepacked MXFP8
-codes and its scales, ~19 MB at m3.1-small) while it routes (each CTA but the last, once its own loads are done, so
-the routing's loads never queue behind them): without programmatic launches (T <= 32) HBM is idle during routing
-(5-9 us), and FC1's shared-expert CTAs, which read those bytes, come first in FC1's grid; the bytes
-fit L2 (50 MB). Prediction: FC1 up to ~4.5 us shorter (19 MB at ~4.3 TB/s), the whole op at T = 1 ~63.5 -> ~59-60 us;
-nothing if the bulk prefetches are dropped or evicted before FC1. Off: written without a GPU (session 25), the
-output is unchanged by construction (a prefetch writes nothing); to be timed (bench_moe_mma.py --l2pf 0 1)."""
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -306,21 +298,19 @@ def route_split(hidden: int, experts: int) -> tuple[int, int]:
 
 
 def route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKernelSpec:
-    """The CudaKernelSpec of ``moe_route_stage`` (:func:`route_stage`) for this router layout and NT (with the L2
-    prefetch where :data:`ROUTE_L2_PREFETCH` says)."""
-    return _route_stage_spec(hidden, experts, act, nt, ROUTE_L2_PREFETCH)
+    """The CudaKernelSpec of ``moe_route_stage`` (:func:`route_stage`) for this router layout and NT."""
+    return _route_stage_spec(hidden, experts, act, nt)
 
 
 @functools.cache
-def _route_stage_spec(hidden: int, experts: int, act: str, nt: int, l2pf: bool = False) -> CudaKernelSpec:
+def _route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKernelSpec:
     ch, ksplit = route_split(hidden, experts)
     eslots = -(-experts // 32)
-    d = (("NT", nt), ("ACT_BF16", int(act == "bf16")), ("CH", ch), ("KSPLIT", ksplit), ("ESLOTS", eslots),
-         *((("L2PF", 1),) if l2pf else ()))
+    d = (("NT", nt), ("ACT_BF16", int(act == "bf16")), ("CH", ch), ("KSPLIT", ksplit), ("ESLOTS", eslots))
     p, i = "*u8", "i32"
     types = (("x", p), ("gate", p), ("bias", p), ("T", i), ("H", i), ("E", i), ("topk", i), ("scale", "fp32"),
              ("norm", i), ("ids", p), ("wts", p), ("logits", p), ("x16", p), ("xmult", p), ("part", p),
-             ("counter", p), ("pf0", p), ("pf0_units", i), ("pf1", p), ("pf1_units", i))
+             ("counter", p))
     logits = 8 * nt * 32 * eslots * 4  # the merged logits in dynamic shared memory: 64 KB at most (64 x 256 floats)
     return CudaKernelSpec("megamoe_route", ROUTE_SOURCE, "moe_route_stage", types, d, 8, logits)
 
@@ -337,8 +327,7 @@ def _route_workspace(device: torch.device, experts: int, ksplit: int) -> tuple[t
 
 def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top_k: int,
                 routed_scaling_factor: float, norm_topk_prob: bool, *, runner: Runner = jit_run,
-                logits: torch.Tensor | None = None, l2_prefetch: tuple[torch.Tensor, ...] = ()
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(topk_ids int64 [T, k], topk_weights float32 [T, k], x16 f16 [T, H], xmult float32 [T]) for 1 <= T <= 64
     tokens in ONE launch (``moe_route_stage``, module docstring step 0): the router logits x @ gate_w32^T in
     float32, ``MoE.route``'s selection and weights, and the tokens staged for :func:`moe_decode_mma`.
@@ -347,10 +336,7 @@ def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top
     The logits sum in the kernel's own fixed order (deterministic; not cuBLAS's), so ids can differ from the
     reference only where corrected scores tie within rounding; the weights' normalization sums in slot order (an ulp).
     NaN logits: as ``torch.sort``, NaN scores come first (ties to the smaller index), their weights NaN.
-    ``logits`` (optional float32 [T, E], contiguous) receives the merged logits (for checks). ``l2_prefetch``: at
-    most two contiguous tensors on x's device whose bytes the launch asks L2 for while it routes, where
-    :data:`ROUTE_L2_PREFETCH` is on (:func:`shared_prefetch_targets`; whole 16-byte units of a 16-byte aligned start:
-    a prefetch is a hint, so a misaligned tensor is skipped)."""
+    ``logits`` (optional float32 [T, E], contiguous) receives the merged logits (for checks)."""
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32):
         raise ShapeError(f"route_stage: x {tuple(x.shape)} {x.dtype}: expected bf16 / float32 tokens [T, H]")
     if gate_w32.dim() != 2 or gate_w32.dtype != torch.float32 or gate_w32.shape[1] != x.shape[1]:
@@ -367,18 +353,10 @@ def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top
     if logits is not None and (logits.shape != (t, e) or logits.dtype != torch.float32 or not logits.is_contiguous()):
         raise ShapeError(f"route_stage: logits {tuple(logits.shape)} {logits.dtype}: expected contiguous float32 "
                          f"[{t}, {e}]")
-    if len(l2_prefetch) > 2 or any(v.device != x.device or not v.is_contiguous() for v in l2_prefetch):
-        raise ShapeError(f"route_stage: l2_prefetch takes at most two contiguous tensors on {x.device}")
     dev = x.device
     spec = route_stage_spec(hidden, e, act, route_nt(t))
     ksplit = dict(spec.defines)["KSPLIT"]  # the compiled split (whatever route_split would say now)
     part, counter, scratch = _route_workspace(dev, e, ksplit)
-    wanted = l2_prefetch if dict(spec.defines).get("L2PF") else ()
-    pf: list[Any] = []
-    for i in range(2):  # (tensor, 16-byte units) pairs; an absent one is the workspace with no units
-        v = wanted[i] if i < len(wanted) else None
-        aligned = v is not None and (v.device.type == "meta" or v.data_ptr() % 16 == 0)
-        pf += [v, min(v.numel() * v.element_size() // 16, 2**31 - 1)] if aligned else [part, 0]
     ids = torch.empty((t, top_k), dtype=torch.int64, device=dev)
     w = torch.empty((t, top_k), dtype=torch.float32, device=dev)
     x16 = torch.empty((t, hidden), dtype=torch.float16, device=dev)
@@ -387,19 +365,8 @@ def route_stage(x: torch.Tensor, gate_w32: torch.Tensor, bias: torch.Tensor, top
     runner(spec, grid,
            [_aligned(x.contiguous()), _aligned(gate_w32.contiguous()), bias.to(torch.float32).contiguous(), t,
             hidden, e, top_k, float(routed_scaling_factor), int(bool(norm_topk_prob)), ids, w,
-            scratch if logits is None else logits, x16, xmult, part, counter, *pf])
+            scratch if logits is None else logits, x16, xmult, part, counter])
     return ids, w, x16, xmult
-
-
-def shared_prefetch_targets(shared_w13: Any) -> tuple[torch.Tensor, ...]:
-    """What :func:`route_stage` asks L2 for under :data:`ROUTE_L2_PREFETCH`: the MXFP8 shared expert's prepacked FC1
-    codes and its scales (FC1's first reads), once :func:`moe_decode_mma` has built the prepacked copy (nothing is
-    built here: this runs inside CUDA-graph capture too); else nothing."""
-    if not ROUTE_L2_PREFETCH or not isinstance(shared_w13, MXFP8Tensor) \
-            or not derived_ready(shared_w13.data, _TAG_CODES):
-        return ()
-    codes = derived(shared_w13.data, _TAG_CODES, lambda: prepack_mxfp8(shared_w13.data))
-    return tuple(v for v in (codes, shared_w13.scale.view(torch.uint8)) if v.is_contiguous())
 
 
 def _aligned(v: torch.Tensor) -> torch.Tensor:

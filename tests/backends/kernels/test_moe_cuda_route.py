@@ -266,7 +266,7 @@ def test_route_supported_and_spec() -> None:
     spec = moe_cuda.route_stage_spec(6144, 64, "bf16", 1)
     assert spec is moe_cuda.route_stage_spec(6144, 64, "bf16", 1)  # cached
     assert dict(spec.defines) == {"NT": 1, "ACT_BF16": 1, "CH": 2, "KSPLIT": 24, "ESLOTS": 2}
-    assert spec.num_warps == 8 and dict(spec.arg_types)["scale"] == "fp32" and len(spec.arg_types) == 20
+    assert spec.num_warps == 8 and dict(spec.arg_types)["scale"] == "fp32" and len(spec.arg_types) == 16
     # the merged logits in dynamic shared memory, 8 NT tokens x 32 ESLOTS experts: 2 KB here, 64 KB at most
     assert spec.shared_bytes == 8 * 64 * 4
     assert moe_cuda.route_stage_spec(6144, 256, "bf16", 8).shared_bytes == 64 * 256 * 4
@@ -314,68 +314,6 @@ def test_route_stage_launch_args_on_meta() -> None:
     assert args[names.index("scale")] == 2.5 and args[names.index("norm")] == 0 and args[names.index("T")] == 3
     assert args[names.index("part")] is args2[names.index("part")]  # persistent: graph replays keep the address
     assert args[names.index("counter")] is args2[names.index("counter")]
-
-
-def test_l2_prefetch_passes_whole_aligned_units_only_when_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROUTE_L2_PREFETCH: the launch gets the tensors' starts and their whole 16-byte units (off, or a tensor not
-    given: the workspace and 0 units), its own spec (L2PF) and binary, which issues bulk L2 prefetches (UBLKPF) that
-    the default binary does not; more than two tensors, or a strided one, are refused by name."""
-    x = torch.empty(1, 6144, dtype=torch.bfloat16, device="meta")
-    g, b = torch.empty(64, 6144, device="meta"), torch.empty(64, device="meta")
-    codes = torch.empty(3072 * 6144 + 8, dtype=torch.uint8, device="meta")  # 8 bytes past a whole unit
-    scales = torch.empty(3072, 192, dtype=torch.uint8, device="meta")
-
-    def launch() -> tuple:
-        seen: list = []
-        moe_cuda.route_stage(x, g, b, 8, 2.5, True, l2_prefetch=(codes, scales),
-                             runner=lambda sp, grid, args: seen.append((sp, grid, args)))
-        sp, _, args = seen[0]
-        names = [n for n, _ in sp.arg_types]
-        return sp, [args[names.index(n)] for n in ("pf0", "pf0_units", "pf1", "pf1_units", "part")]
-
-    off, (p0, u0, p1, u1, part) = launch()
-    assert "L2PF" not in dict(off.defines) and (p0, u0, p1, u1) == (part, 0, part, 0)
-    monkeypatch.setattr(moe_cuda, "ROUTE_L2_PREFETCH", True)
-    on, (p0, u0, p1, u1, part) = launch()
-    assert dict(on.defines)["L2PF"] == 1 and on.key() != off.key()
-    assert p0 is codes and u0 == 3072 * 6144 // 16 and p1 is scales and u1 == 3072 * 192 // 16
-    for spec, count in ((on, True), (off, False)):
-        assert ("UBLKPF.L2" in disassemble(compile_cuda(spec, "sm_90a").binary)) == count
-    with pytest.raises(ShapeError, match="at most two contiguous"):
-        moe_cuda.route_stage(x, g, b, 8, 2.5, True, l2_prefetch=(codes, codes, codes), runner=lambda *a: None)
-    with pytest.raises(ShapeError, match="at most two contiguous"):
-        moe_cuda.route_stage(x, g, b, 8, 2.5, True, l2_prefetch=(scales.t(),), runner=lambda *a: None)
-
-
-def test_megamoe_prefetches_the_shared_fc1_once_it_is_prepacked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """megamoe under ROUTE_L2_PREFETCH hands route_stage the shared expert's prepacked FC1 codes and its scales: not
-    at the first call (the prepacked copy does not exist yet, and nothing is built for it), then the very tensors
-    FC1 reads (meta tensors stand in for the GPU)."""
-    from test_moe_cuda import mxfp8, nvfp4
-
-    from m3c.backends.kernels import megamoe as mm_mod
-    from m3c.backends.kernels import moe_routing
-
-    monkeypatch.setattr(moe_routing, "interpreting", lambda: False)
-    monkeypatch.setattr(mm_mod, "_mma_ok", lambda x, w13, sw13, top_k: True)
-    monkeypatch.setattr(moe_cuda, "ROUTE_L2_PREFETCH", True)
-    h, inter, e, k, s = 1024, 256, 16, 4, 256
-    w13, w2, s13, s2 = nvfp4(e, 2 * inter, h), nvfp4(e, h, inter), mxfp8(2 * s, h), mxfp8(h, s)
-    x = torch.empty(2, h, dtype=torch.bfloat16, device="meta")
-    calls: list[dict] = []
-    for _ in range(2):
-        seen: dict = {}
-
-        def record(sp, grid, args, seen=seen):
-            seen[sp.kernel] = dict(zip((n for n, _ in sp.arg_types), args, strict=False))
-        mm_mod.megamoe(x, torch.empty(e, h, device="meta"), torch.empty(e, device="meta"), w13, w2, s13, s2,
-                       top_k=k, routed_scaling_factor=2.5, norm_topk_prob=True, runner=record)
-        calls.append(seen)
-    assert calls[0]["moe_route_stage"]["pf0_units"] == 0 == calls[0]["moe_route_stage"]["pf1_units"]
-    route, fc1 = calls[1]["moe_route_stage"], calls[1]["moe_fc1"]
-    assert route["pf0"] is fc1["scode"] and route["pf0_units"] == 2 * s * h // 16
-    assert route["pf1"].shape == fc1["sscale"].shape == s13.scale.shape  # the scales FC1 reads (meta: no pointers)
-    assert route["pf1_units"] == 2 * s * (h // 32) // 16
 
 
 def _res_usage(cubin: bytes) -> str:
@@ -543,42 +481,3 @@ def test_megamoe_cuda_route_matches_reference(t: int, dtype: torch.dtype, norm: 
     err = float((out.float() - truth).norm() / truth.norm())
     old_err = float((old.float() - truth).norm() / truth.norm())
     assert torch.isfinite(out).all() and err < 1.5e-2, (err, old_err)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16])
-def test_l2_prefetch_changes_nothing_but_time(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROUTE_L2_PREFETCH on: the routing launch asks L2 for the very bytes FC1's shared-expert CTAs read (same
-    addresses), and the output is bitwise the output with it off, eagerly and from CUDA-graph replays."""
-    from m3c.backends.cuda_aot import CudaKernelSpec
-    from m3c.backends.kernels import megamoe as mm_mod
-    from m3c.backends.triton_aot import jit_run
-    from m3c.fused.moe import MegaMoE, random_moe
-
-    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
-    mm = MegaMoE.from_reference(random_moe(6144, 1536, 64, 8, "mxfp8", gen, device="cuda"))
-    x = torch.randn(t, 6144, generator=gen, device="cuda").to(torch.bfloat16)
-    off = mm(x)  # also builds the prepacked copies
-    monkeypatch.setattr(moe_cuda, "ROUTE_L2_PREFETCH", True)
-    seen: dict = {}
-    w13, w2, s13, s2 = mm.weights()
-
-    def runner(sp, grid, args):
-        if isinstance(sp, CudaKernelSpec):
-            seen[sp.kernel] = dict(zip((n for n, _ in sp.arg_types), args, strict=False))
-        jit_run(sp, grid, args)
-
-    on = mm_mod.megamoe(x, mm.gate_w32, mm.bias, w13, w2, s13, s2, top_k=8,
-                        routed_scaling_factor=mm.routed_scaling_factor, norm_topk_prob=mm.norm_topk_prob,
-                        runner=runner)
-    route, fc1 = seen["moe_route_stage"], seen["moe_fc1"]
-    assert route["pf0"].data_ptr() == fc1["scode"].data_ptr() and route["pf0_units"] > 0
-    assert route["pf1"].data_ptr() == fc1["sscale"].data_ptr() and route["pf1_units"] > 0
-    assert torch.equal(on, off) and torch.equal(mm(x), off)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = mm(x)
-    for _ in range(3):
-        replayed.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(replayed, off)

@@ -6,11 +6,8 @@
 // (PyPI).
 // Compile-time settings: NT (8-token groups: T <= 8 NT; moe_cuda builds 1, 2 and 8), ACT_BF16 (tokens bf16, else
 // float32), CH (float4 K chunks per lane: a CTA's K slice is 128 CH), KSPLIT (K slices: H = 128 CH KSPLIT), ESLOTS
-// (experts per lane in the routing warps: E <= 32 ESLOTS), L2PF (1: each CTA but the last, once its own loads are
-// done, asks L2 for its share of the pf0 / pf1 byte ranges, 16-byte units: the shared expert's FC1 weights, which the
-// next launch reads first and which do not depend on the routing, fetched while the routing leaves HBM idle).
-// Dynamic shared memory: the merged logits, 8 NT x 32 ESLOTS floats (64 tokens of 256 experts: 64 KB, more than a
-// static array may take).
+// (experts per lane in the routing warps: E <= 32 ESLOTS). Dynamic shared memory: the merged logits, 8 NT x 32 ESLOTS
+// floats (64 tokens of 256 experts: 64 KB, more than a static array may take).
 //
 // Grid: T staging CTAs, then ceil(E / 8) x KSPLIT GEMV CTAs (8 warps, one expert each, K slice ks of 128 CH).
 // part[(ks T + t) E + e] = the slice's dot product (one per warp and token, a butterfly sum of its lanes; ks outer,
@@ -33,9 +30,6 @@
 #ifndef ESLOTS
 #define ESLOTS 2
 #endif
-#ifndef L2PF
-#define L2PF 0
-#endif
 #define MAXT (8 * NT)
 #define MAXE (32 * ESLOTS)
 #define MAXK 64
@@ -55,17 +49,6 @@ __device__ __forceinline__ float4 ld_stream_f4(const float* p) {
 }
 // Through L2 (another CTA's stores). __ldcg, not a volatile asm: the compiler may issue a thread's loads at once.
 __device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
-// L2PF: thread 0 asks L2 for this CTA's share of the pf0 / pf1 ranges, once the CTA's own loads are done (the
-// staging CTAs after staging, the GEMV CTAs after arriving), so the prefetches never queue ahead of the routing's
-// loads; the last CTA, which merges and routes, skips its share (1 / grid of the bytes).
-__device__ __forceinline__ void l2_share(const u8* pf0, int pf0_units, const u8* pf1, int pf1_units) {
-#if L2PF
-  if (threadIdx.x == 0) {
-    l2_prefetch_share(pf0, pf0_units, blockIdx.x, gridDim.x);
-    l2_prefetch_share(pf1, pf1_units, blockIdx.x, gridDim.x);
-  }
-#endif
-}
 __device__ __forceinline__ int arrive(int* counter) {  // atomicAdd(counter, 1), acq_rel at GPU scope
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
@@ -175,8 +158,7 @@ __device__ void route_token(const float* logit, const float* bias, int E, int to
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_route_stage(const void* x, const float* gate, const float* bias, int T, int H, int E, int topk,
                 float scale, int norm, long long* ids, float* wts, float* logits, u16* x16, float* xmult,
-                float* part, int* counter, const u8* pf0, int pf0_units, const u8* pf1, int pf1_units,
-                void* scratch0, void* scratch1) {
+                float* part, int* counter, void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) float logit[];  // [MAXT * MAXE]
   __shared__ float red[WARPS_R];
   __shared__ u32 sel_id[WARPS_R][MAXK];
@@ -187,7 +169,6 @@ moe_route_stage(const void* x, const float* gate, const float* bias, int T, int 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if ((int)blockIdx.x < T) {
     stage_token(x, H, x16, xmult, blockIdx.x, red);
-    l2_share(pf0, pf0_units, pf1, pf1_units);
     return;
   }
   // ---- GEMV slice: expert e = 8 g + warp, K in [ks 128 CH, (ks + 1) 128 CH)
@@ -236,10 +217,7 @@ moe_route_stage(const void* x, const float* gate, const float* bias, int T, int 
     is_last = last;
   }
   __syncthreads();
-  if (!is_last) {
-    l2_share(pf0, pf0_units, pf1, pf1_units);
-    return;
-  }
+  if (!is_last) return;
   // Merge: one thread per (t, e) output sums its KSPLIT partials in ks order, MO outputs a thread a pass, MQ partials
   // of each loaded at once (unconditional loads from clamped addresses: no predicate per load, all in flight); a
   // warp's loads of one ks are 128 contiguous bytes (with t E + e outer, each load took 32 sectors: T = 16 18 us).

@@ -16,16 +16,6 @@ __device__ __forceinline__ void grid_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// Ask L2 for share `part` of `parts` equal shares of [p, p + 16 units) (p 16-byte aligned), in bulk requests of at
-// most 32 KB (cp.async.bulk.prefetch.L2, SASS UBLKPF: no registers, no completion to wait for; a hint).
-__device__ __forceinline__ void l2_prefetch_share(const u8* p, int units, int part, int parts) {
-  const int per = (units + parts - 1) / parts;
-  const int lo = part * per, hi = min(units, lo + per);
-  for (int u = lo; u < hi; u += 2048)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p + 16L * u), "r"(16 * min(hi - u, 2048))
-                 : "memory");
-}
-
 __device__ __forceinline__ uint4 ld_stream4(const u8* p) {  // 16 bytes read once: no L1 allocation
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
