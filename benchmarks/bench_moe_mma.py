@@ -13,12 +13,13 @@ layout, no prepacked copy; with decode 0 only) and --pdl (the kernels launched a
 "fc1,act,fc2,combine", "none" or "default" for moe_cuda.PDL's per-NT choice) and --fc1-min-ctas (-1, the
 default: moe_cuda.FC1_MIN_CTAS's per-build choice; 0: FC1's own register choice; n: n CTAs an SM forced, at every
 T) and --nt1-max (moe_cuda.NT1_MAX_TOKENS: up to this many tokens the NT = 1 build, looping over 8-column
-groups above 8, the shared expert's groups as more CTAs; above, the NT = 2 build looping over groups of 16); each
+groups above 8, the shared expert's groups as more CTAs; above, the NT = 2 build looping over groups of 16) and
+--early (moe_cuda.EARLY_LOAD: 1, FC1 / FC2 issue their first weight loads before staging the tokens); each
 setting's whole op (megamoe with its routing launch, "megamoe") is timed
 too, and its experts' output compared bitwise with the first setting's of the same decode / natural.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1] [--natural 0 1]
-    [--pdl none default fc1,act,fc2,combine] [--fc1-min-ctas 0 4] [--nt1-max 8 32] [--repeat 2]
+    [--pdl none default fc1,act,fc2,combine] [--fc1-min-ctas 0 4] [--nt1-max 8 32] [--early 0 1] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def pdl_setting(pdl: str, default: dict[int, tuple[str, ...]]) -> dict[int, tupl
     return {1: kernels, 2: kernels}
 
 
-def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int, int]]
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int, int, int]]
         ) -> list[dict]:
     """One T: check and time every setting."""
     x, ids, w, touched, floor_ms, truth = decode_point(t, moe, mm, gen)
@@ -104,10 +105,12 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
                     route_w_maxrel=float(((new_r[1] - old_r[1]).abs() / old_r[1].abs()).max()),
                     staging_equal=bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3])))
     rows = []
-    saved = (moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS, moe_cuda.NT1_MAX_TOKENS)
+    saved = (moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS, moe_cuda.NT1_MAX_TOKENS,
+             moe_cuda.EARLY_LOAD)
     first: dict[tuple[int, int], torch.Tensor] = {}
     try:
-        for dec, nat, pdl, mc, nt1 in settings:
+        for dec, nat, pdl, mc, nt1, early in settings:
+            moe_cuda.EARLY_LOAD = bool(early)
             moe_cuda.NT1_MAX_TOKENS = saved[4] if nt1 < 0 else nt1
             moe_cuda.FC1_MIN_CTAS = saved[3] if mc < 0 else {1: mc, 2: mc, "wide": mc}
             moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
@@ -115,7 +118,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
             ref = first.setdefault((dec, nat), out)
             row = dict(base, decode=dec, natural=nat, pdl=pdl, fc1_min_ctas=mc, nt1_max=moe_cuda.NT1_MAX_TOKENS,
-                       err=float((out.float() - truth).norm() / truth.norm()),
+                       early=early, err=float((out.float() - truth).norm() / truth.norm()),
                        max_vs_triton=float((out.float() - triton_out.float()).abs().max()),
                        equal_to_first=bool(torch.equal(out, ref)))
             row["experts_ms"] = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2))
@@ -133,7 +136,8 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:  # the module settings as they were, whatever happened
-        (moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS, moe_cuda.NT1_MAX_TOKENS) = saved
+        (moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS, moe_cuda.NT1_MAX_TOKENS,
+         moe_cuda.EARLY_LOAD) = saved
     return rows
 
 
@@ -147,15 +151,16 @@ def main() -> None:
                     help="kernels launched programmatically, comma-separated (fc1,act,fc2,combine), none or default")
     ap.add_argument("--fc1-min-ctas", type=int, nargs="+", default=[-1])
     ap.add_argument("--nt1-max", type=int, nargs="+", default=[-1], help="moe_cuda.NT1_MAX_TOKENS (-1: its own)")
+    ap.add_argument("--early", type=int, nargs="+", default=[0], help="moe_cuda.EARLY_LOAD (0 / 1)")
     ap.add_argument("--repeat", type=int, default=1, help="the settings' sequence this many times (alternations)")
     args = ap.parse_args()
-    settings = [(d, n, p, m, b) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
-                for m in args.fc1_min_ctas for b in args.nt1_max] * args.repeat
+    settings = [(d, n, p, m, b, q) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
+                for m in args.fc1_min_ctas for b in args.nt1_max for q in args.early] * args.repeat
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
     rows = token_sweep("moe_mma", args.tokens, lambda t: run(t, moe, mm, gen, settings), shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'nt1':>3} {'cuda':>8} "
+    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'nt1':>3} {'ea':>2} {'cuda':>8} "
           f"{'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
           f"{'megamoe':>8} {'old rt':>8} {'route':>7} {'old rt':>7} {'err':>8} {'tri err':>8}")
     for r in rows:
@@ -163,7 +168,7 @@ def main() -> None:
             print(f"{r['T']:>3} {r['error']}")
             continue
         print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['natural']:>3} {r['pdl']:>22} {r['fc1_min_ctas']:>2} "
-              f"{r['nt1_max']:>3} {r['experts_ms'] * 1e3:>7.1f}u "
+              f"{r['nt1_max']:>3} {r['early']:>2} {r['experts_ms'] * 1e3:>7.1f}u "
               f"{r['triton_experts_ms'] * 1e3:>7.1f}u {r['floor_ms'] * 1e3:>6.1f}u {100 * r['bw_fraction']:>5.1f} "
               f"{r['whole_ms'] * 1e3:>7.1f}u {r['megamoe_ms'] * 1e3:>7.1f}u {r['megamoe_old_route_ms'] * 1e3:>7.1f}u "
               f"{r['route_stage_ms'] * 1e3:>6.1f}u {r['route_old_ms'] * 1e3:>6.1f}u {r['err']:>8.1e} "

@@ -11,6 +11,7 @@ torch 2.11 (session 26), so it was rewritten to need nothing but graph timings. 
 fusing a small launch (act, combine) into its neighbour could save.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_timeline.py [--tokens 1,4,16] [--pdl none fc1,act,fc2,combine]
+    [--early 0 1]   (moe_cuda.EARLY_LOAD)
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def timed(call, keep: set[str]) -> float:
     return bench_graph(lambda: call(runner)) * 1e3
 
 
-def point(t: int, pdl: str, moe, mm: MegaMoE, gen: torch.Generator) -> dict:
-    """One T and PDL setting: the full graph, each launch left out, each prefix."""
-    x, ids, w, touched, floor_ms, _ = decode_point(t, moe, mm, gen)
+def point(t: int, pdl: str, early: int, tokens: tuple, mm: MegaMoE) -> dict:
+    """One T (its tokens and routing: `decode_point`'s, the same for every setting) and PDL setting: the full graph,
+    each launch left out, each prefix."""
+    x, ids, w, touched, floor_ms, _ = tokens
     w13, w2, s13, s2 = mm.weights()
 
     def call(runner):
@@ -49,7 +51,7 @@ def point(t: int, pdl: str, moe, mm: MegaMoE, gen: torch.Generator) -> dict:
     full = timed(call, set(LAUNCHES))
     without = {k: full - timed(call, set(LAUNCHES) - {k}) for k in LAUNCHES}
     prefix = [timed(call, set(LAUNCHES[:i + 1])) for i in range(len(LAUNCHES))]
-    return {"T": t, "pdl": pdl, "experts": touched, "floor_us": floor_ms * 1e3, "full_us": full,
+    return {"T": t, "pdl": pdl, "early": early, "experts": touched, "floor_us": floor_ms * 1e3, "full_us": full,
             "cost_in_graph_us": without, "prefix_us": dict(zip(LAUNCHES, prefix, strict=True))}
 
 
@@ -59,26 +61,28 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--pdl", nargs="+", default=["none", "fc1,act,fc2,combine"],
                     help="kernels launched programmatically, comma-separated, or none / default (moe_cuda.PDL's)")
+    ap.add_argument("--early", type=int, nargs="+", default=[0], help="moe_cuda.EARLY_LOAD (0 / 1)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
-    saved = moe_cuda.PDL
+    saved, saved_early = moe_cuda.PDL, moe_cuda.EARLY_LOAD
     results = []
     try:
         for t in (int(v) for v in args.tokens.split(",")):
-            for pdl in args.pdl:
-                moe_cuda.PDL = pdl_setting(pdl, saved)
-                results.append(point(t, pdl, moe, mm, gen))
+            tokens = decode_point(t, moe, mm, gen)
+            for pdl, early in ((p, e) for p in args.pdl for e in args.early):
+                moe_cuda.PDL, moe_cuda.EARLY_LOAD = pdl_setting(pdl, saved), bool(early)
+                results.append(point(t, pdl, early, tokens, mm))
                 print(json.dumps(results[-1]), flush=True)
     finally:
-        moe_cuda.PDL = saved
+        moe_cuda.PDL, moe_cuda.EARLY_LOAD = saved, saved_early
     write_results("moe_timeline", results, shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'pdl':>20} {'full':>7} | cost in the graph (full - without it), µs | prefix ends, µs")
+    print(f"\n{'T':>3} {'pdl':>20} {'ea':>2} {'full':>7} | cost in the graph (full - without it), µs | prefix ends, µs")
     for r in results:
         cost = " ".join(f"{k[4:]} {v:5.1f}" for k, v in r["cost_in_graph_us"].items())
         ends = " ".join(f"{v:5.1f}" for v in r["prefix_us"].values())
-        print(f"{r['T']:>3} {r['pdl']:>20} {r['full_us']:6.1f}u | {cost} | {ends}")
+        print(f"{r['T']:>3} {r['pdl']:>20} {r['early']:>2} {r['full_us']:6.1f}u | {cost} | {ends}")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,12 @@ benchmarks/RESULTS.md session 25) against the NT = 2 builds: T = 12 -2.3%, 16 -3
 T = 9 +1.3 to +2.8% (its experts alone 3% faster, but the NT = 2 build's PDL overlapped the shared expert with
 routing), 40 +1.8%, 48 +1.9%, 64 +7% (most experts then have more than 8 tokens: two passes over their weights)."""
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 or 8 (its staging for 8, 16 or 64 tokens: route_nt)
+EARLY_LOAD = False
+"""FC1 / FC2: each warp issues its first super-chunk's weight loads (registers) before its CTA stages the tokens
+(and, in FC2, before ``grid_wait()``), so the weight stream's first latency overlaps the staging instead of following
+it (define ``EARLY``; the output is bitwise the same: only independent loads move). Session 26: the omission
+timings (``bench_moe_timeline.py``) put ~4 us a kernel at T = 1 outside the weight stream. To be timed
+(``bench_moe_mma.py --early 0 1``)."""
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -242,16 +248,16 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
         raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      min_ctas, tmax)
+                      min_ctas, tmax, EARLY_LOAD)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
-               natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0
-               ) -> tuple[CudaKernelSpec, ...]:
+               natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
+               early: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
-         *((("TMAX", tmax),) if tmax > 8 * nt else ()))
+         *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()))
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)

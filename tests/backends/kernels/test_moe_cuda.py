@@ -294,6 +294,47 @@ def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPat
     assert not seen
 
 
+@pytest.mark.parametrize("tokens", [1, 9, 33])
+def test_early_weight_loads_come_before_the_wait_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EARLY_LOAD: FC2 (launched programmatically) issues its first weight loads (128-bit, no L1 allocation) before
+    it waits on act (SASS ACQBULK), and only then; its own key and binary, no spill the default build lacks."""
+    nt, wide = moe_cuda.decode_build(tokens)
+    monkeypatch.setattr(moe_cuda, "PDL", {nt: moe_cuda.PDL_KERNELS})
+    counts = {}
+    for early in (False, True):
+        monkeypatch.setattr(moe_cuda, "EARLY_LOAD", early)
+        fc2 = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)[3]
+        assert (dict(fc2.defines).get("EARLY") == 1) == early
+        sass = kernel_sass(fc2)
+        counts[early] = (sass.split("ACQBULK")[0].count("LDG.E.NA.128"), sass.count("STL"), fc2.key())
+    assert counts[False][0] == 0 < counts[True][0]
+    assert counts[True][1] <= counts[False][1] and counts[True][2] != counts[False][2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 13, 40])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_early_weight_loads_change_nothing_but_time(t: int, pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EARLY_LOAD moves only independent loads: MegaMoE's decode is bitwise the default build's output, with plain
+    and programmatic launches, eagerly and replayed from a CUDA graph with new tokens copied in."""
+    moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
+    monkeypatch.setattr(moe_cuda, "PDL", {1: moe_cuda.PDL_KERNELS, 2: moe_cuda.PDL_KERNELS} if pdl else {})
+    default = mm(x)
+    assert float((default.float() - moe(x.float())).norm() / moe(x.float()).norm()) < 1.5e-2
+    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", True)
+    assert torch.equal(mm(x), default)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mm(static)
+    new = (torch.randn(x.shape, device="cuda") * 3).to(x.dtype)
+    static.copy_(new)
+    out.fill_(float("nan"))
+    graph.replay()
+    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", False)
+    assert torch.equal(out, mm(new))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode", [0, 1])
 @pytest.mark.parametrize("t", [1, 3, 8, 13, 16, 17, 32, 33, 40, 64])

@@ -27,6 +27,9 @@
 #ifndef NATURAL
 #define NATURAL 0  // 1: the routed NVFP4 experts in the checkpoint's own layout (no prepacked copy)
 #endif
+#ifndef EARLY
+#define EARLY 0    // 1: each warp issues its first super-chunk's weight loads before the CTA stages its tokens
+#endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 // FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
 // ptxas gives FC2 129 and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31
@@ -566,14 +569,16 @@ __device__ __forceinline__ void math(const Stream& w, const uint4 (&c)[ROWT][4],
 // acc[t][nt][4] += W[tile rows] . xs over this warp's K range of nsc super-chunks (64 code bytes a lane and tile
 // each), two register buffers: the next super-chunk's loads are in flight while one is decoded. (A third buffer
 // measured slower on the H200: 158 registers, 3 CTAs per SM; so did asking L2 for the super-chunk 4 ahead, 10-20%:
-// benchmarks/RESULTS.md, session 21.)
-template <int N, class Stream>
-__device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4]) {
+// benchmarks/RESULTS.md, session 21.) stage(): see staged().
+template <int N, class Stream, class Stage>
+__device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4],
+                     const Stage& stage) {
   const u16* xrow[N];
   token_rows<N>(xrow, xs, Kc, cnt, Stream::k_lane * (threadIdx.x & 3));
   uint4 ca[ROWT][4], cb[ROWT][4];
   uint2 sa[ROWT], sb[ROWT];
   w.load(ca, sa, 0);
+  stage();
   for (int sc = 0; sc < nsc; sc += 2) {
     if (sc + 1 < nsc) w.load(cb, sb, sc + 1);
     math<N>(w, ca, sa, sc, xrow, acc);
@@ -581,6 +586,22 @@ __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, f
     if (sc + 2 < nsc) w.load(ca, sa, sc + 2);
     math<N>(w, cb, sb, sc + 1, xrow, acc);
   }
+}
+
+struct NoStage {
+  __device__ __forceinline__ void operator()() const {}
+};
+
+// stage() (fills xs / mult, a CTA barrier at its end), then run(NoStage{}); with EARLY run(stage): gemv calls it once
+// the first super-chunk's loads are issued, so their latency overlaps the staging.
+template <class Stage, class Run>
+__device__ __forceinline__ void staged(const Stage& stage, const Run& run) {
+#if EARLY
+  run(stage);
+#else
+  stage();
+  run(NoStage{});
+#endif
 }
 
 // Ask L2 for the first super-chunk of the warp's code bytes (both tiles) before the staging (and, in FC2, before
@@ -611,13 +632,14 @@ struct Cols {
   int cnt;
 };
 
-// The warp's two row tiles over this block's K range with N 8-column tiles (cnt <= 8 N), then (after grid_wait():
-// FC1's shared-expert items reach it first here) out[p, row] = acc * 2^e * row factor * weight.
-template <int N>
+// The warp's two row tiles over this block's K range with N 8-column tiles (cnt <= 8 N; stage() stages them into
+// xs / mult, see gemv), then (after grid_wait(): FC1's shared-expert items reach it first here) out[p, row] = acc *
+// 2^e * row factor * weight.
+template <int N, class Stage>
 __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
                                           const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
                                           const float* rrow, const u8* scode, const u8* sscale, const float* wts,
-                                          float* out, long out_stride) {
+                                          float* out, long out_stride, const Stage& stage) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
   const int row = b.row0 + warp * 32;  // first row of the warp's tiles
   const int cnt = cols.cnt;
@@ -633,17 +655,17 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
     const long r0 = (long)b.expert * rows_total + row + g;
     const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;
     const u8* s = rscale + r0 * (K / 16) + (long)b.ks * Kc / 16 + 2 * j;
-    gemv<N>(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, cnt, acc);
+    gemv<N>(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, cnt, acc, stage);
   } else if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
     const long tb = (long)K * 8, tsb = (long)K;
     const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
     const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
-    gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc);
+    gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc, stage);
   } else {              // prepacked codes (16 rows x K bytes a tile), scales in their natural [rows, K / 32] layout
     const long tb = (long)K * 16, tsb = (long)K * 16 / 32;
     const u8* c = scode + tile * tb + (long)b.ks * Kc * 16 + lane * 16;
     const u8* s = sscale + (long)(row + g) * (K / 32) + (long)b.ks * Kc / 32;
-    gemv<N>(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, cnt, acc);
+    gemv<N>(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, cnt, acc, stage);
   }
   grid_wait();
 #pragma unroll
@@ -665,17 +687,20 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
 }
 
 // run_tiles with the fewest 8-column tiles that hold the block's cnt columns (1 or NT).
+template <class Stage>
 __device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
                                          const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
                                          const float* rrow, const u8* scode, const u8* sscale, const float* wts,
-                                         float* out, long out_stride) {
+                                         float* out, long out_stride, const Stage& stage) {
 #if NT > 1
   if (cols.cnt > 8) {
-    run_tiles<NT>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride);
+    run_tiles<NT>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride,
+                  stage);
     return;
   }
 #endif
-  run_tiles<1>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride);
+  run_tiles<1>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride,
+               stage);
 }
 
 // A block's column groups, MAXT columns each, over its compacted columns [c0, c1): routed blocks every group of their
@@ -753,35 +778,43 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
   find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
   u16* xs = (u16*)smem;
 #if GROUPS == 1
-  if (shared) {
-    stage_direct(x, 0, T, H, b.ks * Kc, Kc, xs, mult, down);
-  } else {
-    stage_rows(x16, xmult, tok, cnt, H, b.ks * Kc, Kc, xs, mult);
-  }
-  run_cols(b, b.expert >= 0 ? rows : srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode,
-           sscale, nullptr, h + (long)b.ks * P * ROWS, ROWS);
+  staged(
+      [&] {
+        if (shared) {
+          stage_direct(x, 0, T, H, b.ks * Kc, Kc, xs, mult, down);
+        } else {
+          stage_rows(x16, xmult, tok, cnt, H, b.ks * Kc, Kc, xs, mult);
+        }
+      },
+      [&](const auto& stage) {
+        run_cols(b, b.expert >= 0 ? rows : srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode,
+                 sscale, nullptr, h + (long)b.ks * P * ROWS, ROWS, stage);
+      });
 #else
   if (shared) {  // its one column group (tokens MAXT grp ..), as straight code: the expert known to be the shared one
     Block g = b;
     g.expert = -1;
     const int c0 = g.grp * MAXT, n = min(MAXT, T - c0);
-    stage_direct(x, c0, n, H, g.ks * Kc, Kc, xs, mult, down);
-    run_cols(g, srows, H, Kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
-             h + (long)g.ks * P * ROWS, ROWS);
+    staged([&] { stage_direct(x, c0, n, H, g.ks * Kc, Kc, xs, mult, down); }, [&](const auto& stage) {
+      run_cols(g, srows, H, Kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
+               h + (long)g.ks * P * ROWS, ROWS, stage);
+    });
     return;
   }
   for_groups(&gs, b, cnt, [&](const Block& g, int c0, int n) {  // a routed expert's groups in turn
     __builtin_assume(g.expert >= 0);
     const int kc = H / g.KS;
-    stage_rows(x16, xmult, tok + c0, n, H, g.ks * kc, kc, xs, mult);
-    run_cols(g, rows, H, kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
-             h + (long)g.ks * P * ROWS, ROWS);
+    staged([&] { stage_rows(x16, xmult, tok + c0, n, H, g.ks * kc, kc, xs, mult); }, [&](const auto& stage) {
+      run_cols(g, rows, H, kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
+               h + (long)g.ks * P * ROWS, ROWS, stage);
+    });
   });
 #endif
 }
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs). Before
-// grid_wait(): its expert, tokens and the L2 prefetch (the routing finished before FC1 passed its wait).
+// grid_wait(): its expert, tokens and the L2 prefetch (the routing finished before FC1 passed its wait), with EARLY
+// also the first super-chunk's weight loads (the wait is in the staging, which reads act16).
 extern "C" __global__ void FC_BOUNDS
 moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
@@ -798,19 +831,31 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
   find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
   for (int c = threadIdx.x; c < cnt; c += blockDim.x) rowof[c] = pair[tok[c]];
   __syncthreads();
-  grid_wait();
-  grid_launch_dependents();
   u16* xs = (u16*)smem;
 #if GROUPS == 1
-  stage_rows(act16, amult, rowof, cnt, ROWS / 2, b.ks * Kc, Kc, xs, mult);
-  run_cols(b, H, K, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode, sscale,
-           b.expert >= 0 ? wts : nullptr, y + (long)b.ks * P * H, H);
+  staged(
+      [&] {
+        grid_wait();
+        grid_launch_dependents();
+        stage_rows(act16, amult, rowof, cnt, ROWS / 2, b.ks * Kc, Kc, xs, mult);
+      },
+      [&](const auto& stage) {
+        run_cols(b, H, K, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode, sscale,
+                 b.expert >= 0 ? wts : nullptr, y + (long)b.ks * P * H, H, stage);
+      });
 #else
   for_groups(&gs, b, cnt, [&](const Block& g, int c0, int n) {
     const int k = g.expert >= 0 ? I : S, kc = k / g.KS;
-    stage_rows(act16, amult, rowof + c0, n, ROWS / 2, g.ks * kc, kc, xs, mult);
-    run_cols(g, H, k, kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale,
-             g.expert >= 0 ? wts : nullptr, y + (long)g.ks * P * H, H);
+    staged(
+        [&] {
+          grid_wait();  // the first group's: later ones return at once
+          grid_launch_dependents();
+          stage_rows(act16, amult, rowof + c0, n, ROWS / 2, g.ks * kc, kc, xs, mult);
+        },
+        [&](const auto& stage) {
+          run_cols(g, H, k, kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale,
+                   g.expert >= 0 ? wts : nullptr, y + (long)g.ks * P * H, H, stage);
+        });
   });
 #endif
 }
