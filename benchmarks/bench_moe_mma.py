@@ -14,7 +14,8 @@ layout, no prepacked copy; with decode 0 only) and --pdl (the kernels launched a
 default: moe_cuda.FC1_MIN_CTAS's per-build choice; 0: FC1's own register choice; n: n CTAs an SM forced, at every
 T) and --nt1-max (moe_cuda.NT1_MAX_TOKENS: up to this many tokens the NT = 1 build, looping over 8-column
 groups above 8, the shared expert's groups as more CTAs; above, the NT = 2 build looping over groups of 16) and
---early (moe_cuda.EARLY_LOAD: 1, FC1 / FC2 issue their first weight loads before staging the tokens); each
+--early (moe_cuda.EARLY_LOAD: 1, every build's FC1 / FC2 issue their first weight loads before staging the tokens;
+0 none; -1 the module's per-build choice); each
 setting's whole op (megamoe with its routing launch, "megamoe") is timed
 too, and its experts' output compared bitwise with the first setting's of the same decode / natural.
 
@@ -64,6 +65,13 @@ def pdl_setting(pdl: str, default: dict[int, tuple[str, ...]]) -> dict[int, tupl
     return {1: kernels, 2: kernels}
 
 
+def early_setting(early: int, default: frozenset) -> frozenset:
+    """moe_cuda.EARLY_LOAD for an --early value: -1 `default` (the module's own), 0 no build, 1 every decode build."""
+    if early < 0:
+        return default
+    return frozenset(moe_cuda.decode_build(t) for t in moe_cuda.build_tokens()) if early else frozenset()
+
+
 def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int, int, int]]
         ) -> list[dict]:
     """One T: check and time every setting."""
@@ -110,7 +118,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
     first: dict[tuple[int, int], torch.Tensor] = {}
     try:
         for dec, nat, pdl, mc, nt1, early in settings:
-            moe_cuda.EARLY_LOAD = bool(early)
+            moe_cuda.EARLY_LOAD = early_setting(early, saved[5])
             moe_cuda.NT1_MAX_TOKENS = saved[4] if nt1 < 0 else nt1
             moe_cuda.FC1_MIN_CTAS = saved[3] if mc < 0 else {1: mc, 2: mc, "wide": mc}
             moe_cuda.DECODE, moe_cuda.NATURAL = dec, bool(nat)
@@ -151,7 +159,8 @@ def main() -> None:
                     help="kernels launched programmatically, comma-separated (fc1,act,fc2,combine), none or default")
     ap.add_argument("--fc1-min-ctas", type=int, nargs="+", default=[-1])
     ap.add_argument("--nt1-max", type=int, nargs="+", default=[-1], help="moe_cuda.NT1_MAX_TOKENS (-1: its own)")
-    ap.add_argument("--early", type=int, nargs="+", default=[0], help="moe_cuda.EARLY_LOAD (0 / 1)")
+    ap.add_argument("--early", type=int, nargs="+", default=[-1],
+                    help="moe_cuda.EARLY_LOAD: 1 every build, 0 none, -1 its own")
     ap.add_argument("--repeat", type=int, default=1, help="the settings' sequence this many times (alternations)")
     args = ap.parse_args()
     settings = [(d, n, p, m, b, q) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl

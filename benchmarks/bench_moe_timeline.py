@@ -21,7 +21,7 @@ import json
 
 import torch
 from _timing import bench_graph, write_results
-from bench_moe_mma import INTER, E, H, K, S, decode_point, pdl_setting
+from bench_moe_mma import INTER, E, H, K, S, decode_point, early_setting, pdl_setting
 
 from m3c.backends.kernels import moe_cuda
 from m3c.backends.triton_aot import jit_run
@@ -61,7 +61,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--pdl", nargs="+", default=["none", "fc1,act,fc2,combine"],
                     help="kernels launched programmatically, comma-separated, or none / default (moe_cuda.PDL's)")
-    ap.add_argument("--early", type=int, nargs="+", default=[0], help="moe_cuda.EARLY_LOAD (0 / 1)")
+    ap.add_argument("--early", type=int, nargs="+", default=[-1],
+                    help="moe_cuda.EARLY_LOAD: 1 every build, 0 none, -1 its own")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
@@ -72,7 +73,7 @@ def main() -> None:
         for t in (int(v) for v in args.tokens.split(",")):
             tokens = decode_point(t, moe, mm, gen)
             for pdl, early in ((p, e) for p in args.pdl for e in args.early):
-                moe_cuda.PDL, moe_cuda.EARLY_LOAD = pdl_setting(pdl, saved), bool(early)
+                moe_cuda.PDL, moe_cuda.EARLY_LOAD = pdl_setting(pdl, saved), early_setting(early, saved_early)
                 results.append(point(t, pdl, early, tokens, mm))
                 print(json.dumps(results[-1]), flush=True)
     finally:

@@ -92,12 +92,13 @@ benchmarks/RESULTS.md session 25) against the NT = 2 builds: T = 12 -2.3%, 16 -3
 T = 9 +1.3 to +2.8% (its experts alone 3% faster, but the NT = 2 build's PDL overlapped the shared expert with
 routing), 40 +1.8%, 48 +1.9%, 64 +7% (most experts then have more than 8 tokens: two passes over their weights)."""
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 or 8 (its staging for 8, 16 or 64 tokens: route_nt)
-EARLY_LOAD = False
-"""FC1 / FC2: each warp issues its first super-chunk's weight loads (registers) before its CTA stages the tokens
-(and, in FC2, before ``grid_wait()``), so the weight stream's first latency overlaps the staging instead of following
-it (define ``EARLY``; the output is bitwise the same: only independent loads move). Session 26: the omission
-timings (``bench_moe_timeline.py``) put ~4 us a kernel at T = 1 outside the weight stream. To be timed
-(``bench_moe_mma.py --early 0 1``)."""
+EARLY_LOAD: frozenset[tuple[int, bool]] = frozenset({(1, True)})
+"""The decode builds (:func:`decode_build`'s (NT, looping) pairs) whose FC1 / FC2 warps issue their first
+super-chunk's weight loads before their CTA stages the tokens (and, in FC2, before ``grid_wait()``), so the weight
+stream's first latency overlaps the staging instead of following it (define ``EARLY``; the output is bitwise the
+same: only independent loads move). Measured on the H200 (session 26, same run, two alternations, whole op): the
+NT = 1 looping build (T = 9..32) at T = 16 2.6% faster (277.0 / 276.9 -> 269.8 / 270.1 us); the plain NT = 1 build
+slower at T = 1 (63.2 / 66.0 -> 66.7 / 67.0) and T = 4 (+1%), so it stays off there."""
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -248,7 +249,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
         raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      min_ctas, tmax, EARLY_LOAD)
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD)
 
 
 @functools.cache

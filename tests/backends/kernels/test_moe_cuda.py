@@ -297,12 +297,13 @@ def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("tokens", [1, 9, 33])
 def test_early_weight_loads_come_before_the_wait_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """EARLY_LOAD: FC2 (launched programmatically) issues its first weight loads (128-bit, no L1 allocation) before
-    it waits on act (SASS ACQBULK), and only then; its own key and binary, no spill the default build lacks."""
+    it waits on act (SASS ACQBULK) in the builds the set names, and only there; its own key and binary, no spill the
+    other build lacks."""
     nt, wide = moe_cuda.decode_build(tokens)
     monkeypatch.setattr(moe_cuda, "PDL", {nt: moe_cuda.PDL_KERNELS})
     counts = {}
     for early in (False, True):
-        monkeypatch.setattr(moe_cuda, "EARLY_LOAD", early)
+        monkeypatch.setattr(moe_cuda, "EARLY_LOAD", frozenset({(nt, wide)} if early else {(nt, not wide)}))
         fc2 = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)[3]
         assert (dict(fc2.defines).get("EARLY") == 1) == early
         sass = kernel_sass(fc2)
@@ -319,9 +320,10 @@ def test_early_weight_loads_change_nothing_but_time(t: int, pdl: bool, monkeypat
     and programmatic launches, eagerly and replayed from a CUDA graph with new tokens copied in."""
     moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
     monkeypatch.setattr(moe_cuda, "PDL", {1: moe_cuda.PDL_KERNELS, 2: moe_cuda.PDL_KERNELS} if pdl else {})
+    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", frozenset())
     default = mm(x)
     assert float((default.float() - moe(x.float())).norm() / moe(x.float()).norm()) < 1.5e-2
-    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", True)
+    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", frozenset({(1, False), (1, True), (2, True)}))
     assert torch.equal(mm(x), default)
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
@@ -331,7 +333,7 @@ def test_early_weight_loads_change_nothing_but_time(t: int, pdl: bool, monkeypat
     static.copy_(new)
     out.fill_(float("nan"))
     graph.replay()
-    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", False)
+    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", frozenset())
     assert torch.equal(out, mm(new))
 
 
