@@ -69,7 +69,7 @@ def early_setting(early: int, default: frozenset) -> frozenset:
     """moe_cuda.EARLY_LOAD for an --early value: -1 `default` (the module's own), 0 no build, 1 every decode build."""
     if early < 0:
         return default
-    return frozenset(moe_cuda.decode_build(t) for t in moe_cuda.build_tokens()) if early else frozenset()
+    return frozenset((nt, wide) for nt in (1, 2) for wide in (False, True)) if early else frozenset()
 
 
 def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int, int, int]]

@@ -23,7 +23,8 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
    allows; the shared expert's MXFP8 rows, twice the bytes, twice that); each copies its K range of the staged
    tokens that picked its expert to shared memory, compacted (they are its MMA columns: one 8-column tile when at
    most 8 tokens picked it, else NT; the shared expert's CTAs take every token and stage them from x themselves, so
-   they need nothing of step 0 and run first), then every warp streams two 16-row tiles (the next 256-K
+   they need nothing of step 0 and run first; in the builds :data:`EARLY_LOAD` names each warp issues its first
+   super-chunk's loads before that copy), then every warp streams two 16-row tiles (the next 256-K
    super-chunk's 16-byte loads in flight while one is decoded): h[ks, pair, row] = partial sums. Above 8 tokens
    the columns come in groups of 8 NT (NT = 1 up to :data:`NT1_MAX_TOKENS` tokens, else 2): a routed CTA runs its
    expert's groups one after another (a second group only when more than 8 NT tokens picked the expert; it reads
@@ -94,9 +95,11 @@ routing), 40 +1.8%, 48 +1.9%, 64 +7% (most experts then have more than 8 tokens:
 ROUTE_MAX_TOKENS = 64  # route_stage: NT = 1, 2 or 8 (its staging for 8, 16 or 64 tokens: route_nt)
 EARLY_LOAD: frozenset[tuple[int, bool]] = frozenset({(1, True)})
 """The decode builds (:func:`decode_build`'s (NT, looping) pairs) whose FC1 / FC2 warps issue their first
-super-chunk's weight loads before their CTA stages the tokens (and, in FC2, before ``grid_wait()``), so the weight
-stream's first latency overlaps the staging instead of following it (define ``EARLY``; the output is bitwise the
-same: only independent loads move). Measured on the H200 (session 26, same run, two alternations, whole op): the
+super-chunk's weight loads before their CTA stages the tokens, so the weight stream's first latency overlaps the
+staging instead of following it (define ``EARLY``; the output is bitwise the same: only independent loads move; in
+FC2 launched programmatically, ptxas keeps the shared expert's loads before ``grid_wait()`` but hoists the wait
+above the routed experts'). With :data:`NATURAL` (off) the looping build's FC2 spills 23 words instead of 6
+(offline sm_90a; untimed). Measured on the H200 (session 26, same run, two alternations, whole op): the
 NT = 1 looping build (T = 9..32) at T = 16 2.6% faster (277.0 / 276.9 -> 269.8 / 270.1 us); the plain NT = 1 build
 slower at T = 1 (63.2 / 66.0 -> 66.7 / 67.0) and T = 4 (+1%), so it stays off there."""
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)

@@ -5,6 +5,7 @@ dependency), and the kernels on the GPU against the reference MoE."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -295,21 +296,30 @@ def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 33])
-def test_early_weight_loads_come_before_the_wait_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """EARLY_LOAD: FC2 (launched programmatically) issues its first weight loads (128-bit, no L1 allocation) before
-    it waits on act (SASS ACQBULK) in the builds the set names, and only there; its own key and binary, no spill the
-    other build lacks."""
+def test_early_weight_loads_come_before_the_staging_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EARLY_LOAD: in the builds the set names, FC1 and FC2 issue weight loads (128-bit, no L1 allocation) before
+    their first token-staging load (128-bit, plain), elsewhere not; launched programmatically, FC2 still reads
+    nothing of act (no staging load) and writes nothing before it waits (SASS ACQBULK); each build its own key, no
+    spill the other lacks."""
     nt, wide = moe_cuda.decode_build(tokens)
     monkeypatch.setattr(moe_cuda, "PDL", {nt: moe_cuda.PDL_KERNELS})
-    counts = {}
+    seen = {}
     for early in (False, True):
         monkeypatch.setattr(moe_cuda, "EARLY_LOAD", frozenset({(nt, wide)} if early else {(nt, not wide)}))
-        fc2 = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)[3]
-        assert (dict(fc2.defines).get("EARLY") == 1) == early
-        sass = kernel_sass(fc2)
-        counts[early] = (sass.split("ACQBULK")[0].count("LDG.E.NA.128"), sass.count("STL"), fc2.key())
-    assert counts[False][0] == 0 < counts[True][0]
-    assert counts[True][1] <= counts[False][1] and counts[True][2] != counts[False][2]
+        specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)
+        for spec in (specs[1], specs[3]):
+            assert (dict(spec.defines).get("EARLY") == 1) == early
+            ops = [line.split("*/")[1].split()[0] for line in kernel_sass(spec).splitlines()
+                   if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+            first_weight = ops.index("LDG.E.NA.128.CONSTANT")
+            first_staging = ops.index("LDG.E.128")
+            assert (first_weight < first_staging) == early, (spec.kernel, early)
+            if spec.kernel == "moe_fc2":
+                wait = ops.index("ACQBULK")
+                assert wait < first_staging and not any(op.startswith("STG") for op in ops[:wait])
+            seen[spec.kernel, early] = (ops.count("STL"), spec.key())
+    for kernel in ("moe_fc1", "moe_fc2"):
+        assert seen[kernel, True][0] <= seen[kernel, False][0] and seen[kernel, True][1] != seen[kernel, False][1]
 
 
 @pytest.mark.gpu

@@ -6,11 +6,13 @@
 // as column groups of 8 NT, one after another (routed) or as more CTAs (shared expert)), TMAX (tokens), ACT_BF16
 // (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt, 2: the loads
 // alone, a benchmark probe), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
-// [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked).
+// [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked), EARLY (1: each
+// warp issues its first super-chunk's weight loads before its CTA stages the tokens: staged()).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine, each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
-// weights) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the
+// weights, with EARLY also loading its first super-chunk, though ptxas keeps those loads before the wait only in the
+// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the
 // previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
 #ifndef WARPS
 #define WARPS 4
@@ -813,8 +815,9 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
 }
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs). Before
-// grid_wait(): its expert, tokens and the L2 prefetch (the routing finished before FC1 passed its wait), with EARLY
-// also the first super-chunk's weight loads (the wait is in the staging, which reads act16).
+// grid_wait(): its expert, tokens and the L2 prefetch (the routing finished before FC1 passed its wait); with EARLY
+// the first super-chunk's weight loads come before the staging, which waits first (it reads act16; ptxas hoists
+// the wait above the routed path's loads, so only the shared expert's are issued before it).
 extern "C" __global__ void FC_BOUNDS
 moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
