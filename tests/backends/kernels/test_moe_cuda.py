@@ -322,6 +322,86 @@ def test_early_weight_loads_come_before_the_staging_in_sass(tokens: int, monkeyp
         assert seen[kernel, True][0] <= seen[kernel, False][0] and seen[kernel, True][1] != seen[kernel, False][1]
 
 
+@pytest.mark.parametrize("tokens", [1, 9, 33])
+def test_fused_combine_launches_no_combine_and_counts_with_an_acq_rel_atomic(tokens: int,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSED_COMBINE: stage_x, FC1, act and FC2 only, FC2 handed the output and a zeroed int32 counter per (token,
+    128-row block) that stays the same tensor across calls (graph replays); FC2's own key (COMBINE) and an acquire-
+    release GPU-scope atomic in its SASS (a fence, the atomic, an L1 invalidation), which the default build lacks."""
+    h, inter, e, k = 1024, 256, 16, 4
+    w13, w2 = nvfp4(e, 2 * inter, h, device="cpu"), nvfp4(e, h, inter, device="cpu")
+    x, ids, wts = torch.zeros(tokens, h, dtype=torch.bfloat16), torch.zeros(tokens, k, dtype=torch.int64), \
+        torch.zeros(tokens, k)
+    monkeypatch.setattr(moe_cuda, "NATURAL", True)  # no prepacked copy of the (uninitialized) weights
+
+    def launches() -> dict:
+        seen: dict = {}
+
+        def record(sp, grid, args):
+            seen[sp.kernel] = (sp, dict(zip((n for n, _ in sp.arg_types), args, strict=True)))
+        out = moe_cuda.moe_decode_mma(x, ids, wts, w13, w2, None, None, runner=record)
+        assert seen["moe_fc2"][1]["out"] is out
+        return seen
+
+    plain = launches()
+    assert list(plain) == ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine"]
+    monkeypatch.setattr(moe_cuda, "FUSED_COMBINE", True)
+    first, second = launches(), launches()
+    assert list(first) == ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2"]
+    counters = first["moe_fc2"][1]["ccount"]
+    assert counters is second["moe_fc2"][1]["ccount"] and counters.dtype == torch.int32
+    assert counters.numel() == moe_cuda.MAX_TOKENS * h // 128 and not counters.any()
+    fc2, fc2_plain = first["moe_fc2"][0], plain["moe_fc2"][0]
+    assert dict(fc2.defines).get("COMBINE") == 1 and "COMBINE" not in dict(fc2_plain.defines)
+    nt, wide = moe_cuda.decode_build(tokens)
+    monkeypatch.setattr(moe_cuda, "NATURAL", False)
+    for combine in (False, True):
+        monkeypatch.setattr(moe_cuda, "FUSED_COMBINE", combine)
+        sass = kernel_sass(moe_cuda.mma_specs(6144, 1536, 1536, "bf16", nt, wide)[3])
+        atomic = re.search(r"MEMBAR\.ALL\.GPU.*?ATOMG\.E\.ADD\.S32\.STRONG\.GPU.*?CCTL\.IVALL", sass, re.S)
+        assert (atomic is not None) == combine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5, 13, 40])
+@pytest.mark.parametrize("shared", ["mxfp8", "none"])
+def test_fused_combine_is_bitwise_the_combine_launch(t: int, shared: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FUSED_COMBINE gives bitwise the combine launch's output: eagerly, with an id out of range (that token NaN;
+    without a shared expert, a token whose ids are all out of range too), and replayed from a CUDA graph with new
+    tokens (the counters left at zero for the next launch)."""
+    moe, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, shared, torch.bfloat16)
+    w13, w2, s13, s2 = mm.weights()
+    bad = ids.clone()
+    bad[-1, 2] = 64
+    if shared == "none" and t > 1:
+        bad[0, :] = -1
+
+    def run(i: torch.Tensor, fused: bool) -> torch.Tensor:
+        monkeypatch.setattr(moe_cuda, "FUSED_COMBINE", fused)
+        out = torch.full_like(x, 7.0)
+        return moe_cuda.moe_decode_mma(x, i, w.float(), w13, w2, s13, s2, out=out)
+
+    for i in (ids, bad):
+        plain, fused = run(i, False), run(i, True)
+        assert torch.equal(fused.isnan(), plain.isnan()) and torch.equal(fused.nan_to_num(), plain.nan_to_num())
+    assert run(bad, True)[-1].isnan().all() and not run(ids, True).isnan().any()
+    truth = moe(x.float())
+    assert float((run(ids, True).float() - truth).norm() / truth.norm()) < 1.5e-2
+    monkeypatch.setattr(moe_cuda, "FUSED_COMBINE", True)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = mm(static)
+    for _ in range(3):
+        new = torch.randn(x.shape, device="cuda").to(x.dtype)
+        static.copy_(new)
+        replayed.fill_(float("nan"))
+        graph.replay()
+        monkeypatch.setattr(moe_cuda, "FUSED_COMBINE", False)
+        assert torch.equal(replayed, mm(new))
+        monkeypatch.setattr(moe_cuda, "FUSED_COMBINE", True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 13, 40])
 @pytest.mark.parametrize("pdl", [False, True])
