@@ -834,7 +834,7 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
 #if COMBINE
   __shared__ int fin[MAXT], nfin;
   const int shared_splits = S > 0 ? KSs : 0;
-  if (blockIdx.x == 0) {
+  if (blockIdx.x == 0 && shared_splits == 0) {  // with a shared expert every token has contributors
     grid_wait();
     combine_orphans(ids, E, T, topk, shared_splits, H, out);
   }
