@@ -86,11 +86,9 @@ __device__ __forceinline__ void combine_arrive(int row0, const int* tok, int cnt
   }
 }
 
-// COMBINE: out[n, :] = NaN for the tokens no CTA contributes to (no shared expert and no routed id in range), which
-// combine_arrive never reaches; one CTA calls it (after grid_wait()).
-__device__ __forceinline__ void combine_orphans(const long long* ids, int E, int T, int topk, int shared, int H,
-                                                void* out) {
-  if (shared) return;
+// COMBINE without a shared expert: out[n, :] = NaN for the tokens no CTA contributes to (no routed id in range),
+// which combine_arrive never reaches; one CTA calls it (after grid_wait()).
+__device__ __forceinline__ void combine_orphans(const long long* ids, int E, int T, int topk, int H, void* out) {
   for (int n = 0; n < T; ++n) {
     if (experts_of(ids, n, topk, E)) continue;
     for (int c = threadIdx.x; c < H; c += blockDim.x) store_out(out, (long)n * H + c, __uint_as_float(0x7FC00000u));

@@ -12,8 +12,8 @@
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
 // weights, with EARLY also loading its first super-chunk, though ptxas keeps those loads before the wait only in the
-// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the
-// previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
+// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and
+// nothing the previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
 #ifndef WARPS
 #define WARPS 4
 #endif
@@ -836,7 +836,7 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
   const int shared_splits = S > 0 ? KSs : 0;
   if (blockIdx.x == 0 && shared_splits == 0) {  // with a shared expert every token has contributors
     grid_wait();
-    combine_orphans(ids, E, T, topk, shared_splits, H, out);
+    combine_orphans(ids, E, T, topk, H, out);
   }
 #endif
   Block b;
