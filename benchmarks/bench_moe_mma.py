@@ -15,14 +15,12 @@ default: moe_cuda.FC1_MIN_CTAS's per-build choice; 0: FC1's own register choice;
 T) and --nt1-max (moe_cuda.NT1_MAX_TOKENS: up to this many tokens the NT = 1 build, looping over 8-column
 groups above 8, the shared expert's groups as more CTAs; above, the NT = 2 build looping over groups of 16) and
 --early (moe_cuda.EARLY_LOAD: 1, every build's FC1 / FC2 issue their first weight loads before staging the tokens;
-0 none; -1 the module's per-build choice) and --combine (moe_cuda.FUSED_COMBINE: 1, no combine launch, FC2's last
-arriving CTAs sum the output rows); each
+0 none; -1 the module's per-build choice); each
 setting's whole op (megamoe with its routing launch, "megamoe") is timed
 too, and its experts' output compared bitwise with the first setting's of the same decode / natural.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_mma.py [--tokens 1,2,4,8] [--decode 0 1] [--natural 0 1]
-    [--pdl none default fc1,act,fc2,combine] [--fc1-min-ctas 0 4] [--nt1-max 8 32] [--early 0 1] [--combine 0 1]
-    [--repeat 2]
+    [--pdl none default fc1,act,fc2,combine] [--fc1-min-ctas 0 4] [--nt1-max 8 32] [--early 0 1] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -74,7 +72,7 @@ def early_setting(early: int, default: frozenset) -> frozenset:
     return frozenset((nt, wide) for nt in (1, 2) for wide in (False, True)) if early else frozenset()
 
 
-def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int, int, int, int]]
+def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int, int, str, int, int, int]]
         ) -> list[dict]:
     """One T: check and time every setting."""
     x, ids, w, touched, floor_ms, truth = decode_point(t, moe, mm, gen)
@@ -107,7 +105,6 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
     base = {"T": t, "experts": touched, "floor_ms": floor_ms,
             "triton_err": float((triton_out.float() - truth).norm() / truth.norm()),
             "triton_experts_ms": bench_graph(lambda: moe_prefill(x, ids, w, w13, w2, s13, s2)),
-            # megamoe_old_route_ms at the module's own settings (megamoe_ms is timed again for each setting)
             "megamoe_ms": whole_op(True), "megamoe_old_route_ms": whole_op(False),
             "route_stage_ms": bench_graph(route_new) if new_r else float("nan"),
             "route_old_ms": bench_graph(route_old)}
@@ -117,11 +114,10 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
                     staging_equal=bool(torch.equal(new_r[2], old_r[2]) and torch.equal(new_r[3], old_r[3])))
     rows = []
     saved = (moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS, moe_cuda.NT1_MAX_TOKENS,
-             moe_cuda.EARLY_LOAD, moe_cuda.FUSED_COMBINE)
+             moe_cuda.EARLY_LOAD)
     first: dict[tuple[int, int], torch.Tensor] = {}
     try:
-        for dec, nat, pdl, mc, nt1, early, comb in settings:
-            moe_cuda.FUSED_COMBINE = bool(comb)
+        for dec, nat, pdl, mc, nt1, early in settings:
             moe_cuda.EARLY_LOAD = early_setting(early, saved[5])
             moe_cuda.NT1_MAX_TOKENS = saved[4] if nt1 < 0 else nt1
             moe_cuda.FC1_MIN_CTAS = saved[3] if mc < 0 else {1: mc, 2: mc, "wide": mc}
@@ -130,7 +126,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             out = moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)
             ref = first.setdefault((dec, nat), out)
             row = dict(base, decode=dec, natural=nat, pdl=pdl, fc1_min_ctas=mc, nt1_max=moe_cuda.NT1_MAX_TOKENS,
-                       early=early, combine=comb, err=float((out.float() - truth).norm() / truth.norm()),
+                       early=early, err=float((out.float() - truth).norm() / truth.norm()),
                        max_vs_triton=float((out.float() - triton_out.float()).abs().max()),
                        equal_to_first=bool(torch.equal(out, ref)))
             row["experts_ms"] = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2))
@@ -149,7 +145,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple[int
             rows.append(row)
     finally:  # the module settings as they were, whatever happened
         (moe_cuda.DECODE, moe_cuda.NATURAL, moe_cuda.PDL, moe_cuda.FC1_MIN_CTAS, moe_cuda.NT1_MAX_TOKENS,
-         moe_cuda.EARLY_LOAD, moe_cuda.FUSED_COMBINE) = saved
+         moe_cuda.EARLY_LOAD) = saved
     return rows
 
 
@@ -165,17 +161,15 @@ def main() -> None:
     ap.add_argument("--nt1-max", type=int, nargs="+", default=[-1], help="moe_cuda.NT1_MAX_TOKENS (-1: its own)")
     ap.add_argument("--early", type=int, nargs="+", default=[-1],
                     help="moe_cuda.EARLY_LOAD: 1 every build, 0 none, -1 its own")
-    ap.add_argument("--combine", type=int, nargs="+", default=[0], help="moe_cuda.FUSED_COMBINE (0 / 1)")
     ap.add_argument("--repeat", type=int, default=1, help="the settings' sequence this many times (alternations)")
     args = ap.parse_args()
-    settings = [(d, n, p, m, b, q, c) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
-                for m in args.fc1_min_ctas for b in args.nt1_max for q in args.early for c in args.combine
-                ] * args.repeat
+    settings = [(d, n, p, m, b, q) for n in args.natural for d in args.decode if not (n and d) for p in args.pdl
+                for m in args.fc1_min_ctas for b in args.nt1_max for q in args.early] * args.repeat
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
     rows = token_sweep("moe_mma", args.tokens, lambda t: run(t, moe, mm, gen, settings), shape=[H, INTER, E, K, S])
-    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'nt1':>3} {'ea':>2} {'cb':>2} {'cuda':>8} "
+    print(f"\n{'T':>3} {'exp':>4} {'dec':>3} {'nat':>3} {'pdl':>22} {'mc':>2} {'nt1':>3} {'ea':>2} {'cuda':>8} "
           f"{'triton':>8} {'floor':>7} {'%bw':>5} {'whole':>8} "
           f"{'megamoe':>8} {'old rt':>8} {'route':>7} {'old rt':>7} {'err':>8} {'tri err':>8}")
     for r in rows:
@@ -183,7 +177,7 @@ def main() -> None:
             print(f"{r['T']:>3} {r['error']}")
             continue
         print(f"{r['T']:>3} {r['experts']:>4} {r['decode']:>3} {r['natural']:>3} {r['pdl']:>22} {r['fc1_min_ctas']:>2} "
-              f"{r['nt1_max']:>3} {r['early']:>2} {r['combine']:>2} {r['experts_ms'] * 1e3:>7.1f}u "
+              f"{r['nt1_max']:>3} {r['early']:>2} {r['experts_ms'] * 1e3:>7.1f}u "
               f"{r['triton_experts_ms'] * 1e3:>7.1f}u {r['floor_ms'] * 1e3:>6.1f}u {100 * r['bw_fraction']:>5.1f} "
               f"{r['whole_ms'] * 1e3:>7.1f}u {r['megamoe_ms'] * 1e3:>7.1f}u {r['megamoe_old_route_ms'] * 1e3:>7.1f}u "
               f"{r['route_stage_ms'] * 1e3:>6.1f}u {r['route_old_ms'] * 1e3:>6.1f}u {r['err']:>8.1e} "

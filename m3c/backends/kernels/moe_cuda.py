@@ -34,8 +34,7 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
    like the tokens, one CTA per (token, expert) pair.
 4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
    y[ks, pair, :]; its columns compacted as FC1's.
-5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic); with
-   :data:`FUSED_COMBINE` (off, untimed) no launch: FC2's last arriving CTA for a (token, row block) sums them.
+5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic).
 Touched experts are found on the device from topk_ids (the CTAs of unused slots exit at once). Steps 2-5 can be
 programmatic dependent launches (:data:`PDL`): each waits on its predecessor with ``griddepcontrol.wait`` before
 reading its outputs or writing anything.
@@ -66,7 +65,7 @@ import torch
 import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec, arg_types
-from m3c.backends.kernels.host import derived, derived_ready, persistent, persistent_ready
+from m3c.backends.kernels.host import derived, derived_ready, persistent
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, M3CError, ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -103,14 +102,6 @@ above the routed experts'). With :data:`NATURAL` (off) the looping build's FC2 s
 (offline sm_90a; untimed). Measured on the H200 (session 26, same run, two alternations, whole op): the
 NT = 1 looping build (T = 9..32) at T = 16 2.6% faster (277.0 / 276.9 -> 269.8 / 270.1 us); the plain NT = 1 build
 slower at T = 1 (63.2 / 66.0 -> 66.7 / 67.0) and T = 4 (+1%), so it stays off there."""
-FUSED_COMBINE = False
-"""Skip the ``moe_combine`` launch: FC2's CTAs count their arrivals per (token, block of output rows) and the last
-one sums the token's rows of the block, in moe_combine's order (the same function, moe_combine.cuh: bitwise its
-output; define ``COMBINE``). Session 26's omission timings price the combine launch at 2.7 µs of the 59.5 at T = 1
-(4.3 of 254.7 at T = 16); the last arrivals add a sum over topk + 2 rows of 128 floats from L2 to FC2's tail.
-Prediction: T = 1 ~-1.5 µs, T = 16 ~-2.5 µs. Off: written without a GPU (session 26); to be timed
-(``bench_moe_mma.py --combine 0 1``). The counters are a persistent workspace (:func:`_combine_counters`) the
-kernels leave at zero, so the launches of one layout must run on one stream."""
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
@@ -237,7 +228,7 @@ def call_support(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> str 
     return mma_supported(hidden, two_i // 2, e, top_k, s, act, fmt, sfmt, x.shape[0])
 
 
-SMEM_LIMIT = 227 * 1024 - 2304  # the H200's opt-in shared memory per CTA, less the kernels' static arrays (<= 2.2 KB)
+SMEM_LIMIT = 227 * 1024 - 2048  # the H200's opt-in shared memory per CTA, less the kernels' static arrays
 
 
 def _fc1_smem(hidden: int, shared_inter: int, nt: int) -> int:
@@ -261,17 +252,16 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
         raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, FUSED_COMBINE)
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
-               early: bool = False, combine: bool = False) -> tuple[CudaKernelSpec, ...]:
+               early: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
-         *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
-         *((("COMBINE", 1),) if combine else ()))
+         *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()))
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)
@@ -281,7 +271,7 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                  "KSr KSs *h P ROWS", warps, _fc1_smem(hidden, shared_inter, nt)),
             spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 16),
             spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
-                 "ROWS *y *out *ccount", warps, _fc2_smem(inter, shared_inter, nt)),
+                 "ROWS *y", warps, _fc2_smem(inter, shared_inter, nt)),
             spec("moe_combine", "*y *ids E T topk KSs P H *out", 8))
 
 
@@ -333,18 +323,6 @@ def _route_stage_spec(hidden: int, experts: int, act: str, nt: int) -> CudaKerne
              ("counter", p))
     logits = 8 * nt * 32 * eslots * 4  # the merged logits in dynamic shared memory: 64 KB at most (64 x 256 floats)
     return CudaKernelSpec("megamoe_route", ROUTE_SOURCE, "moe_route_stage", types, d, 8, logits)
-
-
-def _combine_key(device: torch.device, hidden: int) -> tuple:
-    return ("moe_fc2_combine", str(device), hidden, _rows_per_cta())
-
-
-def _combine_counters(device: torch.device, hidden: int) -> torch.Tensor:
-    """:data:`FUSED_COMBINE`'s zeroed int32 counters, one per (token, block of 32 WARPS output rows) for
-    :data:`MAX_TOKENS` tokens, kept per device and layout: FC2 leaves them at zero, so graph replays reset nothing."""
-    return persistent(_combine_key(device, hidden),
-                      lambda: torch.zeros(MAX_TOKENS * (hidden // _rows_per_cta()), dtype=torch.int32,
-                                          device=device))
 
 
 def _route_workspace(device: torch.device, experts: int, ksplit: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -507,11 +485,9 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: the shared expert's must be at least the routed's")
     stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt, wide)
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
-            is_prepacked(*packed) and (not FUSED_COMBINE or persistent_ready(_combine_key(x.device, hidden)))):
-        raise CaptureError("moe_decode_mma: the prepacked weights (and the combine counters) are built at the first "
-                           "call, which must run outside CUDA-graph capture: call once eagerly (a warm-up) before "
-                           "capturing")
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not is_prepacked(*packed):
+        raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "
+                           "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
     if NATURAL:  # read in place: the shapes, dtypes and 16-byte alignment the prefill kernels also need
         if DECODE:
             raise ConfigError("moe_cuda: NATURAL decodes the routed experts with decode8 (f16); set DECODE = 0")
@@ -553,11 +529,9 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                         hidden, ks1, ks1s, h, pairs, rows_ws])
     runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     grid2 = (n_slots * hidden // rows + (hidden // rows * ks2s * groups if shared else 0),)
-    counters = _combine_counters(dev, hidden) if FUSED_COMBINE else y  # (unused without COMBINE)
     runner(fc2, grid2, [act16, amult, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden,
-                        ks2s, pairs, rows_ws, y, out, counters])
-    if not FUSED_COMBINE:
-        runner(comb, (triton.cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
+                        ks2s, pairs, rows_ws, y])
+    runner(comb, (triton.cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
     return out
 
 

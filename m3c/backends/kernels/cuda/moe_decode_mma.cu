@@ -12,8 +12,8 @@
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
 // weights, with EARLY also loading its first super-chunk, though ptxas keeps those loads before the wait only in the
-// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and
-// nothing the previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
+// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the
+// previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
 #ifndef WARPS
 #define WARPS 4
 #endif
@@ -28,9 +28,6 @@
 #endif
 #ifndef NATURAL
 #define NATURAL 0  // 1: the routed NVFP4 experts in the checkpoint's own layout (no prepacked copy)
-#endif
-#ifndef COMBINE
-#define COMBINE 0  // 1: FC2's last arriving CTA for a (token, row block) sums its rows into out (no moe_combine)
 #endif
 #ifndef EARLY
 #define EARLY 0    // 1: each warp issues its first super-chunk's weight loads before the CTA stages its tokens
@@ -61,7 +58,6 @@ static_assert(16 % WARPS == 0 && WARPS <= 4, "the launch bounds count 16 warps a
 
 #include "ptx_common.cuh"
 #include "moe_tokens.cuh"
-#include "moe_combine.cuh"
 
 // Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
 // rows' scale pairs.
@@ -825,20 +821,12 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
 extern "C" __global__ void FC_BOUNDS
 moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
-        int S, int H, int KSs, int P, int ROWS, float* y, void* out, int* ccount, void* scratch0, void* scratch1) {
+        int S, int H, int KSs, int P, int ROWS, float* y, void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT];
   __shared__ int pair[TMAX], tok[TMAX], rowof[TMAX], cnt;
   __shared__ Groups gs;
-#if COMBINE
-  __shared__ int fin[MAXT], nfin;
-  const int shared_splits = S > 0 ? KSs : 0;
-  if (blockIdx.x == 0 && shared_splits == 0) {  // with a shared expert every token has contributors
-    grid_wait();
-    combine_orphans(ids, E, T, topk, H, out);
-  }
-#endif
   Block b;
   if (!find_block(b, blockIdx.x, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
   const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
@@ -858,9 +846,6 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
         run_cols(b, H, K, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode, sscale,
                  b.expert >= 0 ? wts : nullptr, y + (long)b.ks * P * H, H, stage);
       });
-#if COMBINE
-  combine_arrive(b.row0, tok, cnt, y, ids, E, T, topk, shared_splits, P, H, out, ccount, fin, &nfin);
-#endif
 #else
   for_groups(&gs, b, cnt, [&](const Block& g, int c0, int n) {
     const int k = g.expert >= 0 ? I : S, kc = k / g.KS;
@@ -874,22 +859,44 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
           run_cols(g, H, k, kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale,
                    g.expert >= 0 ? wts : nullptr, y + (long)g.ks * P * H, H, stage);
         });
-#if COMBINE
-    combine_arrive(g.row0, tok + c0, n, y, ids, E, T, topk, shared_splits, P, H, out, ccount, fin, &nfin);
-#endif
   });
 #endif
 }
 
-// out[n, :] (moe_combine.cuh's combine_column: the routed rows and the shared splits' in one fixed order, NaN for a
-// token with an id outside [0, E)); a CTA of 256 columns per (column block, token).
+// out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits). A
+// routed id outside [0, E) (what NaN router logits select) had no CTA write its row: the token's output is NaN.
+// Each thread issues its column's loads 8 rows at a time before summing them in order (a load per add, one after the
+// other, took 15.7 us at T = 16: benchmarks/RESULTS.md, session 21).
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KSs, int P, int H, void* out,
             void* scratch0, void* scratch1) {
   grid_wait();
   grid_launch_dependents();
   const int n = blockIdx.y;
-  const bool valid = ids_valid(ids, n, topk, E);
-  for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256)
-    combine_column(y, valid, n, c, T, topk, KSs, P, H, out, [](const float* p) { return *p; });
+  bool valid = true;
+  for (int k = 0; k < topk; ++k) {  // no short-circuit: the id loads need not wait on each other
+    const long long e = ids[n * topk + k];
+    valid &= e >= 0 && e < E;
+  }
+  for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256) {
+    float s = valid ? 0.f : __uint_as_float(0x7FC00000u);
+    const int rows = (valid ? topk : 0) + KSs;  // routed rows n topk + k, then the shared splits' rows
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+      float v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int r = r0 + u, k = r - (valid ? topk : 0);
+        const long row = k < 0 ? (long)n * topk + r : (long)k * P + T * topk + n;
+        v[u] = r < rows ? y[row * H + c] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u)
+        if (r0 + u < rows) s += v[u];
+    }
+#if ACT_BF16
+    ((u16*)out)[(long)n * H + c] = bf16_bits(s);
+#else
+    ((float*)out)[(long)n * H + c] = s;
+#endif
+  }
 }

@@ -47,6 +47,13 @@ __device__ __forceinline__ float4 ld_stream_f4(const float* p) {
                : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
   return r;
 }
+// Through L2 (another CTA's stores). __ldcg, not a volatile asm: the compiler may issue a thread's loads at once.
+__device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ int arrive(int* counter) {  // atomicAdd(counter, 1), acq_rel at GPU scope
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
 __device__ __forceinline__ u32 redux_max(u32 v) {
   u32 r;
   asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));

@@ -16,17 +16,6 @@ __device__ __forceinline__ void grid_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// Through L2 (another CTA's stores). __ldcg, not a volatile asm: the compiler may issue a thread's loads at once.
-__device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
-// atomicAdd(counter, 1), acq_rel at GPU scope: after a CTA barrier, its release covers the stores the barrier
-// ordered before it; its acquire orders the other arrivals' stores before the loads that follow (the CTA's other
-// threads: after a barrier), which read L2 with ld_cg.
-__device__ __forceinline__ int arrive(int* counter) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
-  return old;
-}
-
 __device__ __forceinline__ uint4 ld_stream4(const u8* p) {  // 16 bytes read once: no L1 allocation
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
