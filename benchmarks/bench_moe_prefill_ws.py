@@ -24,17 +24,18 @@ DEFAULT_LUT = ws.LUT  # the shipped setting (set_build changes ws.LUT): a build 
 
 
 def set_build(b: str) -> None:
-    """moe_prefill_ws's build knobs from "STAGES,RAW[,SKIP[,LUT]]"."""
+    """moe_prefill_ws's build knobs from "STAGES,RAW[,SKIP[,LUT[,TBULK[,RBULK]]]]"."""
     v = [int(x) for x in b.split(",")]
-    ws.STAGES, ws.RAW, ws.SKIP, lut = (v + [0, int(DEFAULT_LUT)][len(v) - 2:])[:4]
-    ws.LUT = bool(lut)
+    ws.STAGES, ws.RAW, ws.SKIP, lut, tbulk, rbulk = (v + [0, int(DEFAULT_LUT), 0, 0][len(v) - 2:])[:6]
+    ws.LUT, ws.TBULK, ws.RBULK = bool(lut), bool(tbulk), bool(rbulk)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
-    ap.add_argument("--builds", nargs="+", default=["3,3"], metavar="STAGES,RAW[,SKIP[,LUT]]",
-                    help="LUT 0 / 1 (default: as shipped); SKIP 1: no MMAs, 2: no decode, 3: neither (timing probes, wrong results)")
+    ap.add_argument("--builds", nargs="+", default=["3,3"], metavar="STAGES,RAW[,SKIP[,LUT[,TBULK[,RBULK]]]]",
+                    help="LUT 0 / 1 (default: as shipped); SKIP 1: no MMAs, 2: no decode, 3: neither (timing probes, "
+                         "wrong results); TBULK / RBULK 1: tokens / raw weights by bulk copies")
     ap.add_argument("--once", action="store_true", help="two calls of the first build, nothing else (for ncu)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -53,6 +54,7 @@ def main() -> None:
         xq_p, xs = torch.empty_like(xq_n), torch.empty(t, device="cuda")
         jit_run(quant, (t,), [x, xq_n, xs, H, 0])
         jit_run(quant, (t,), [x, xq_p, xs, H, 1])
+        xt = ws.token_image(xq_n, order, offs, K)
         act_ref = torch.full((p, I), float("nan"), dtype=torch.bfloat16, device="cuda")
         m_tiles = min(-(-p // pc.BT) + E, p)
 
@@ -62,22 +64,24 @@ def main() -> None:
             set_build(args.builds[0])
             act = torch.empty((p, I), dtype=torch.bfloat16, device="cuda")
             for _ in range(2):
-                ws.fc1(xq_n, xs, order, offs, c13, s13, g13, act, top_k=K, wexp=wexp)
+                ws.fc1(xq_n, xs, order, offs, c13, s13, g13, act, top_k=K, wexp=wexp, xt=xt)
             torch.cuda.synchronize()
             return
         run_ref()
         act_ref = act_ref.index_select(1, pc.fp8_k_order(I, "cuda"))  # its routed act columns in fp8 K order
         flops = 2 * p * H * 2 * I
         row = {"T": t, "fc1_flop_floor_ms": flops / FP8_FLOPS * 1e3,
-               "register_a_ms": bench(run_ref), "register_a_graph_ms": bench_graph(run_ref)}
+               "register_a_ms": bench(run_ref), "register_a_graph_ms": bench_graph(run_ref),
+               "token_image_ms (torch ops, untuned)": bench(lambda a=(xq_n, order, offs): ws.token_image(*a, K))}
+        first = None
         for b in args.builds:
             set_build(b)
             name = f"ws_s{ws.STAGES}_r{ws.RAW}" + (f"_skip{ws.SKIP}" if ws.SKIP else "") + ("_lut" if ws.LUT else "")
             name += f"_run{sum(k.startswith(name) for k in row) + 1}" if name in row else ""
             act = torch.full((p, I), float("nan"), dtype=torch.bfloat16, device="cuda")
 
-            def run_ws(act=act, a=(xq_n, xs, order, offs, c13, s13, g13)):
-                ws.fc1(*a, act, top_k=K, wexp=wexp)
+            def run_ws(act=act, a=(xq_n, xs, order, offs, c13, s13, g13), xt=xt):
+                ws.fc1(*a, act, top_k=K, wexp=wexp, xt=xt)
             try:
                 run_ws()
                 torch.cuda.synchronize()
@@ -86,7 +90,11 @@ def main() -> None:
                 row[name] = {
                     "ms": ms, "graph_ms": bench_graph(run_ws), "tflops": flops / ms / 1e9,
                     "nan": int(act.isnan().sum()), "rel_vs_register_a": float(d.norm() / act_ref.float().norm()),
-                    "max_abs_diff": float(d.abs().max()), "speedup": row["register_a_ms"] / ms}
+                    "max_abs_diff": float(d.abs().max()), "speedup": row["register_a_ms"] / ms,
+                    "equal_to_first_full_build": None}
+                if not ws.SKIP:  # the copies' knobs change nothing but time: bitwise the first full build's act
+                    first = act.clone() if first is None else first
+                    row[name]["equal_to_first_full_build"] = bool(torch.equal(act, first))
             except Exception as e:  # reported, not fatal
                 row[name] = {"error": str(e)[:400]}
             print(t, b, row[name], flush=True)

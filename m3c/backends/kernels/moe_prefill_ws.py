@@ -40,37 +40,71 @@ BT = 128  # sorted token rows a CTA
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
 LUT = True  # the E4M3 product tables looked up by scale byte in a shared table built once a CTA (2.30 -> 2.16 ms)
+TBULK = False  # the tokens by one 16 KiB bulk copy a stage from a tile image (:func:`token_image`), not cp.async
+RBULK = False  # each producer warp's raw codes and scales by 8 bulk copies a stage, on its own mbarriers
 SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing, 3 = both
 
 
-def smem_bytes(stages: int, raw: int) -> int:
+def smem_bytes(stages: int, raw: int, tbulk: bool = False) -> int:
     """Dynamic shared memory: the A (tokens) and B (decoded weights) buffers (8 K chunks of 16 bytes a row, each
-    chunk's rows padded by 64 / 32 bytes against bank conflicts) and the raw code / scale ring."""
-    return stages * 8 * ((BT * 16 + 64) + (2 * COLS * 16 + 32)) + raw * (16 * 1024 + 16 * 256)
+    chunk's rows padded by 64 / 32 bytes against bank conflicts; A unpadded with ``tbulk``) and the raw code / scale
+    ring."""
+    return stages * 8 * ((BT * 16 + (0 if tbulk else 64)) + (2 * COLS * 16 + 32)) + raw * (16 * 1024 + 16 * 256)
 
 
 def fc1_spec() -> CudaKernelSpec:
     """The FC1 kernel's spec at the current :data:`STAGES` / :data:`RAW`."""
     # (the static arrays: 1.6 KiB, and the lookup table's 2 KiB)
-    if not 2 <= STAGES <= 4 or not 2 <= RAW <= 4 or smem_bytes(STAGES, RAW) > 227 * 1024 - 2048 - 2048 * LUT:
+    if (not 2 <= STAGES <= 4 or not 2 <= RAW <= 4
+            or smem_bytes(STAGES, RAW, TBULK) > 227 * 1024 - 2048 - 2048 * LUT):
         raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
-    return _spec(STAGES, RAW, SKIP, LUT)
+    return _spec(STAGES, RAW, SKIP, LUT, TBULK, RBULK)
 
 
 @functools.cache
-def _spec(stages: int, raw: int, skip: int, lut: bool = False) -> CudaKernelSpec:
-    types = arg_types("*xq *xs *order *offs *rcode *rscale *rrow *act H I E topk wexp")
-    d = (("STAGES", stages), ("RAW", raw), *((("SKIP", skip),) if skip else ()), *((("LUT", 1),) if lut else ()))
-    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw))
+def _spec(stages: int, raw: int, skip: int, lut: bool = False, tbulk: bool = False,
+          rbulk: bool = False) -> CudaKernelSpec:
+    types = arg_types("*xq *xs *order *offs *rcode *rscale *rrow *act *xt H I E topk wexp")
+    flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),) * tbulk + (("RBULK", 1),) * rbulk
+    d = (("STAGES", stages), ("RAW", raw), *flags)
+    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw, tbulk))
+
+
+def max_tiles(pairs: int, experts: int) -> int:
+    """The FC1 grid's tiles of BT sorted pairs: at most one partial tile an expert beyond ceil(pairs / BT)."""
+    return min(-(-pairs // BT) + experts, pairs)
+
+
+def token_image(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The tokens as :data:`TBULK`'s copies read them: for each tile of BT sorted pairs (the experts' tiles in
+    expert order, as the grid's x) and each 128-K stage, the 16 KiB image of the A buffer (K chunk kc of tile row n
+    at 2048 kc + 16 n); rows past an expert's last pair stay zero. Device ops only (no host sync; capturable).
+    uint8 [max_tiles, H / 128 * 16384]."""
+    h = xq.shape[1]
+    p, e = order.numel(), offs.numel() - 1
+    nst = h // KS
+    img = torch.zeros(max_tiles(p, e), nst, 8, BT, 16, dtype=torch.uint8, device=xq.device)
+    if p == 0:
+        return img.view(img.shape[0], -1)
+    offs = offs.long()
+    tiles = (offs[1:] - offs[:-1] + BT - 1) // BT
+    first = torch.cumsum(tiles, 0) - tiles  # each expert's first tile
+    pair = torch.arange(p, device=xq.device)
+    ex = torch.searchsorted(offs[1:], pair, right=True)  # the expert of sorted pair p
+    local = pair - offs[ex]
+    rows = xq.index_select(0, order.long() // top_k).view(p, nst, 8, 16)
+    img.permute(0, 3, 1, 2, 4)[first[ex] + local // BT, local % BT] = rows
+    return img.view(img.shape[0], -1)
 
 
 def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, rcode: torch.Tensor,
         rscale: torch.Tensor, rrow: torch.Tensor, act: torch.Tensor, *, top_k: int, wexp: int,
-        runner: Runner = jit_run) -> torch.Tensor:
+        xt: torch.Tensor | None = None, runner: Runner = jit_run) -> torch.Tensor:
     """act[p, c] = SiLU(gate) * up of sorted pair p (order[p] = token * top_k + slot) for the routed experts:
     xq [T, H] E4M3 codes (uint8) with row scales xs [T]; offs [E + 1] the experts' pair offsets; (rcode, rscale)
     moe_cuda's prepacked w13 [E, 2I, H]; rrow (E x 2I float32) its per-row tensor scales; wexp its fp8 exponent
-    (:func:`m3c.backends.kernels.moe_prefill_cuda.fp8_exponent`); act [T * top_k, I] bf16 (written)."""
+    (:func:`m3c.backends.kernels.moe_prefill_cuda.fp8_exponent`); act [T * top_k, I] bf16 (written). With
+    :data:`TBULK` the tokens are read from ``xt`` (:func:`token_image` of xq, order, offs), which it needs."""
     t, h = xq.shape
     p, inter = act.shape
     e = offs.numel() - 1
@@ -85,9 +119,15 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
         if v.dtype != dt or not v.is_contiguous() or v.device != act.device:
             raise ShapeError(f"moe_prefill_ws.fc1: {name} must be a contiguous {dt} tensor on {act.device}, got "
                              f"{v.dtype} on {v.device}")
+    tiles = max_tiles(p, e)
+    if TBULK and (xt is None or xt.dtype != torch.uint8 or xt.shape != (tiles, h // KS * 16384)
+                  or not xt.is_contiguous() or xt.device != act.device):
+        got = None if xt is None else f"{xt.dtype} {tuple(xt.shape)} on {xt.device}"
+        raise ShapeError(f"moe_prefill_ws.fc1: TBULK reads the tokens' tile image: xt must be a contiguous uint8 "
+                         f"[{tiles}, {h // KS * 16384}] tensor on {act.device} (token_image(xq, order, offs, top_k)),"
+                         f" got {got}")
     if p == 0:
         return act
-    tiles = min(-(-p // BT) + e, p)
-    runner(fc1_spec(), (tiles, inter // COLS), [xq, xs, order, offs, rcode, rscale, rrow, act, h, inter, e, top_k,
-                                                 wexp])
+    runner(fc1_spec(), (tiles, inter // COLS), [xq, xs, order, offs, rcode, rscale, rrow, act,
+                                                 xt if TBULK else xq, h, inter, e, top_k, wexp])
     return act

@@ -22,27 +22,64 @@ from m3c.backends.triton_aot import jit_run
 from m3c.errors import ConfigError, ShapeError
 from m3c.model_defs import quant
 
-BUILDS = [(3, 3, 0), (3, 2, 0), (2, 3, 0), (3, 3, 1)]  # (A / B stages, raw stages, LUT)
+# (A / B stages, raw stages, LUT, tokens by bulk copies, raw codes by bulk copies)
+BUILDS = [(3, 3, 0, 0, 0), (3, 2, 0, 0, 0), (2, 3, 0, 0, 0), (3, 3, 1, 0, 0), (3, 3, 1, 1, 0), (3, 3, 1, 0, 1),
+          (3, 3, 1, 1, 1), (2, 2, 0, 1, 1)]
+KNOBS = ("STAGES", "RAW", "LUT", "TBULK", "RBULK")
 
 
-@pytest.mark.parametrize("stages, raw, lut", BUILDS)
-def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(stages: int, raw: int, lut: int,
+def _set_build(monkeypatch: pytest.MonkeyPatch, build: tuple[int, ...]) -> None:
+    for k, v in zip(KNOBS, build, strict=True):
+        monkeypatch.setattr(ws, k, v if k in ("STAGES", "RAW") else bool(v))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(build: tuple[int, ...],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in (("STAGES", stages), ("RAW", raw), ("LUT", bool(lut))):
-        monkeypatch.setattr(ws, k, v)
+    _set_build(monkeypatch, build)
+    stages, raw, _, tbulk, rbulk = build
     spec = ws.fc1_spec()
-    assert spec.num_warps == 12 and spec.shared_bytes == ws.smem_bytes(stages, raw) <= 227 * 1024 - 2048
+    assert spec.num_warps == 12 and spec.shared_bytes == ws.smem_bytes(stages, raw, bool(tbulk)) <= 227 * 1024 - 2048
     sass = disassemble(compile_cuda(spec, "sm_90a").binary)
     assert sass.count("QGMMA.64x256x32.F32.E4M3.E4M3") == 4  # one stage: 4 k32 steps, A and B from descriptors
     assert "SYNCS.PHASECHK" in sass and "SYNCS.ARRIVE" in sass  # mbarrier waits and arrivals
-    assert "LDGSTS" in sass and "F2FP.SATFINITE.E4M3" in sass  # (LUT: in the table build)
-    assert (("LUT", 1) in spec.defines) == bool(lut)
+    assert "F2FP.SATFINITE.E4M3" in sass  # (LUT: in the table build)
+    # the tokens: one bulk copy a stage; the raw codes and scales: 8 a warp a stage (prologue + loop: RAW of them)
+    assert sass.count("UBLKCP") == tbulk + 8 * raw * rbulk
+    assert ("LDGSTS" in sass) == (not (tbulk and rbulk))  # cp.async only where some copies still use it
+    for k, v in zip(KNOBS[2:], build[2:], strict=True):
+        assert ((k, 1) in spec.defines) == bool(v)
     with tempfile.TemporaryDirectory() as tmp:
         res = subprocess.run([find_nvcc(), "-arch=sm_90a", "-cubin", "-O3", "-std=c++17", "-Xptxas", "-v",
                               *[f"-D{k}={v}" for k, v in spec.defines], "-o", str(Path(tmp) / "k.cubin"),
                               str(SOURCE_DIR / ws.SOURCE)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "serializ" not in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-2000:]
+    assert "serializ" not in res.stderr, res.stderr[-2000:]
+    # both bulk knobs: ptxas spills 5 words of the producer's addresses (20 bytes, at 168 registers a thread)
+    spill = int(res.stderr.split(" bytes spill stores")[0].rsplit(" ", 1)[1])
+    assert spill <= (20 if tbulk and rbulk else 0), res.stderr[-2000:]
+
+
+def test_token_image_puts_each_sorted_pair_where_the_a_buffer_wants_it(rng: torch.Generator) -> None:
+    """Tile r's stage s holds K chunk kc of tile row n at 2048 kc + 16 n (the experts' tiles in expert order, as
+    find_tile numbers them); rows past an expert's last pair, and tiles past the last, are zero."""
+    t, h, e, k = 150, 512, 6, 3
+    xq = torch.randint(1, 256, (t, h), dtype=torch.uint8, generator=rng)
+    ids = torch.stack([torch.randperm(e, generator=rng)[:k] for _ in range(t)])
+    ids[:, 0] = 2  # expert 2 gets 150 pairs: a full tile and a partial one; some experts may get none
+    order, offs = mp.checked_permutation(None, ids.long(), e)
+    img = ws.token_image(xq, order, offs, k)
+    assert img.shape == (ws.max_tiles(t * k, e), h // 128 * 16384)
+    want = torch.zeros(img.shape[0], h // 128, 8, ws.BT, 16, dtype=torch.uint8)
+    tile = 0
+    for ex in range(e):
+        lo, hi = int(offs[ex]), int(offs[ex + 1])
+        for p in range(lo, hi):
+            row = xq[int(order[p]) // k].view(h // 128, 8, 16)
+            want[tile + (p - lo) // ws.BT, :, :, (p - lo) % ws.BT] = row
+        tile += -(-(hi - lo) // ws.BT)
+    assert torch.equal(img.view_as(want), want)
+    assert int(offs[3] - offs[2]) > ws.BT  # (the partial second tile of expert 2 was exercised)
 
 
 def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,6 +99,12 @@ def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
         ws.fc1(torch.zeros(4, 384, dtype=u8), xs, order, offs, xq, xq, rrow, act, top_k=2, wexp=0)
     with pytest.raises(ShapeError, match=r"order must be a contiguous torch\.int32"):
         ws.fc1(xq, xs, order.long(), offs, xq, xq, rrow, act, top_k=2, wexp=0)
+    monkeypatch.setattr(ws, "TBULK", True)
+    with pytest.raises(ShapeError, match=r"TBULK reads the tokens' tile image: xt must be .*got None"):
+        ws.fc1(xq, xs, order, offs, xq, xq, rrow, act, top_k=2, wexp=0)
+    with pytest.raises(ShapeError, match=r"xt must be a contiguous uint8 \[3, 32768\]"):  # a tile too few (3 = max_tiles(8, 2))
+        ws.fc1(xq, xs, order, offs, xq, xq, rrow, act, top_k=2, wexp=0, xt=torch.zeros(2, 32768, dtype=u8))
+    monkeypatch.setattr(ws, "TBULK", False)
     calls: list = []
     none = torch.zeros(0, 256, dtype=torch.bfloat16)  # no tokens: nothing launched
     assert ws.fc1(xq[:0], xs[:0], order[:0], offs, xq, xq, rrow, none, top_k=2, wexp=0,
@@ -82,16 +125,16 @@ def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: qua
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages, raw, lut", BUILDS)
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("t, h, inter, e, k, skew, empty", [(300, 512, 256, 8, 2, True, 3),
                                                              (1000, 6144, 1536, 64, 8, False, 2)])
 def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, k: int, skew: bool, empty: int,
-                                            stages: int, raw: int, lut: int, rng: torch.Generator,
+                                            build: tuple[int, ...], rng: torch.Generator,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Partial tiles (a skewed expert, empty experts), every sorted pair's row written (NaN-poisoned act), within
-    the E4M3 accumulator's loss of the float64 model; deterministic."""
-    for name, v in (("STAGES", stages), ("RAW", raw), ("LUT", bool(lut))):
-        monkeypatch.setattr(ws, name, v)
+    the E4M3 accumulator's loss of the float64 model; deterministic; the LUT and bulk-copy knobs bitwise the
+    plain build (they change where bytes come from, not the arithmetic)."""
+    _set_build(monkeypatch, build)
     x, ids, _, w13, _, _, _ = _problem(t, h, inter, e, k, 0, "nvfp4", None, rng, skew=skew, empty=empty)
     x, ids, w13 = _to(x, "cuda"), _to(ids, "cuda"), _to(w13, "cuda")
     order, offs = mp.checked_permutation(None, ids.long(), e)
@@ -100,17 +143,18 @@ def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, 
     xq = torch.empty(t, h, dtype=torch.uint8, device="cuda")
     xs = torch.empty(t, device="cuda")
     jit_run(pc.specs("fp8")[2], (t,), [x.bfloat16(), xq, xs, h, 0])
+    xt = ws.token_image(xq, order, offs, k)
     act = torch.full((t * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=pc.fp8_exponent(w13))
+    ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=pc.fp8_exponent(w13), xt=xt)
     assert torch.isfinite(act).all()
     model = _act_model(x, ids, order, w13)
     rel = float((act.double() - model).norm() / model.norm())
     assert rel < 3e-2, rel
     again = torch.empty_like(act)
-    ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13))
+    ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13), xt=xt)
     assert torch.equal(again, act), "not deterministic"
-    if lut:  # the looked-up tables are the ones the loop would make: bitwise the build without LUT
-        monkeypatch.setattr(ws, "LUT", False)
+    if any(build[2:]):  # bitwise the build without LUT and bulk copies, at the same stages
+        _set_build(monkeypatch, (*build[:2], 0, 0, 0))
         again.fill_(float("nan"))
         ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13))
         assert torch.equal(again, act)

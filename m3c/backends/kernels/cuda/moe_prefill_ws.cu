@@ -20,6 +20,12 @@
 #ifndef LUT
 #define LUT 0     // the product tables looked up by scale byte in a shared table built once a CTA (as moe_prefill_wgmma)
 #endif
+#ifndef TBULK
+#define TBULK 0   // the tokens by one bulk copy a stage (one thread) from a tile image made on the host side
+#endif
+#ifndef RBULK
+#define RBULK 0   // each producer warp's raw codes / scales by 8 bulk copies a stage (one lane), on a per-warp mbarrier
+#endif
 #ifndef SKIP
 #define SKIP 0    // timing probes only (wrong results): 1 = consumers issue no MMAs, 2 = the producer decodes nothing,
                   // 3 = both
@@ -29,8 +35,8 @@
 #define KS 128
 // K-adjacent core matrices (8 rows x 16 bytes) lie LBO_A / LBO_B apart: one 16-byte K chunk of every row, padded
 // so that the 8 lanes of a 16-byte store phase (the producer's token copies: 4 rows x 2 chunks; its decoded rows:
-// 2 rows x 4 chunks) hit 8 different bank groups.
-#define LBO_A (BT * 16 + 64)
+// 2 rows x 4 chunks) hit 8 different bank groups. With TBULK A is unpadded: a stage of the tile image is its copy.
+#define LBO_A (BT * 16 + (TBULK ? 0 : 64))
 #define LBO_B (NR * 16 + 32)
 #define A_BYTES (8 * LBO_A)
 #define B_BYTES (8 * LBO_B)
@@ -60,6 +66,15 @@ __device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(a), "r"(parity) : "memory");
   } while (!done);
+}
+// This thread's arrival, announcing `tx` bytes of bulk copies that complete on the barrier.
+__device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 tx) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(tx) : "memory");
+}
+// `bytes` (a multiple of 16, both ends 16-byte aligned) from global to this CTA's shared memory, completing on `bar`.
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 template <int N>
 __device__ __forceinline__ void wg_wait_acc(float (&d)[128]) {
@@ -96,13 +111,16 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int& expert, i
 
 // act[p, c] = SiLU(gate) * up (bf16, as the reference's bf16 model rounds) for the tile's sorted pairs p and the
 // CTA's 128 intermediate columns c (natural order); xq: E4M3 tokens [T, H] (natural K order) with row scales xs.
+// With TBULK the tokens come from xt instead: tile r's stage s is the A buffer's image, 16 KiB at (r H / KS + s)
+// 16 KiB: K chunk kc (16 bytes) of tile row n at kc 2048 + 16 n (moe_prefill_ws.token_image).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, const u8* rcode, const u8* rscale,
-           const float* rrow, u16* act, int H, int I, int E, int topk, int wexp, void* scratch0, void* scratch1) {
+           const float* rrow, u16* act, const u8* xt, int H, int I, int E, int topk, int wexp, void* scratch0,
+           void* scratch1) {
   extern __shared__ __align__(128) u8 smem[];
   __shared__ long long xoff[BT];
   __shared__ float csc[BT];
-  __shared__ __align__(8) unsigned long long bars[2 * STAGES];
+  __shared__ __align__(8) unsigned long long bars[2 * STAGES + (RBULK ? 4 * RAW : 0)];
   int expert, p0, count;
   if (!find_tile(offs, E, expert, p0, count)) return;
   const int rb = blockIdx.y, tid = threadIdx.x;
@@ -121,9 +139,11 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
   const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
   if (tid == 0) {
     for (int i = 0; i < STAGES; ++i) {
-      mbar_init(full0 + 8 * i, 2 * NP);  // each producer thread: one cp.async arrival and one arrival
+      // each producer thread: one cp.async arrival (TBULK: thread 0's expect_tx arrival instead) and one arrival
+      mbar_init(full0 + 8 * i, TBULK ? NP + 1 : 2 * NP);
       mbar_init(empty0 + 8 * i, 8);    // the consumers' 8 warps
     }
+    for (int i = 0; i < (RBULK ? 4 * RAW : 0); ++i) mbar_init(full0 + 8 * (2 * STAGES + i), 1);  // [warp][raw slot]
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   const u32 wdec = ((u32)(15 - wexp) << 10) * 0x10001u;  // the f16x2 pair 2^-wexp
@@ -158,7 +178,23 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     const u8* xrow0 = xq + (o0 < 0 ? 0 : o0) + 16 * (pt % 2);
     const u8* xrow1 = xq + (o1 < 0 ? 0 : o1) + 16 * (pt % 2);
     const u32 xd0 = (pt % 2) * LBO_A + (n0 / 8) * 128 + (n0 % 8) * 16;
+    const u32 rbar = full0 + 8 * (2 * STAGES + pw * RAW);  // RBULK: this warp's raw barriers
+    const u8* xtile = xt + (long)blockIdx.x * nst * A_BYTES;  // TBULK: this tile's image
     auto issue_raw = [&](int s) {
+      if (RBULK) {  // (the warp's earlier reads of the slot, stage s - RAW's, are done: the caller syncs the warp)
+        if (lane == 0 && s < nst) {
+          const u32 rb_ = rbase + (s % RAW) * RAW_BYTES, bar = rbar + 8 * (s % RAW);
+          fence_async_smem();
+          mbar_arrive_tx(bar, 4 * 1024 + 4 * 256);
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            const long tile = tile_of(4 * pw + v);
+            bulk_g2s(rb_ + (4 * pw + v) * 1024, rcode + tile * tstride + (long)s * 1024, 1024, bar);
+            bulk_g2s(rb_ + RC_BYTES + (4 * pw + v) * 256, rscale + tile * H + (long)(s >> 1) * 256, 256, bar);
+          }
+        }
+        return;
+      }
       if (s < nst) {
         const u32 rb_ = rbase + (s % RAW) * RAW_BYTES;
 #pragma unroll
@@ -175,16 +211,27 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     for (int s = 0; s < RAW - 1; ++s) issue_raw(s);
     for (int s = 0; s < nst; ++s) {
       const int slot = s % STAGES;
-      cp_wait<RAW - 2>();
+      if (RBULK) {
+        mbar_wait(rbar + 8 * (s % RAW), (s / RAW) & 1);
+      } else {
+        cp_wait<RAW - 2>();
+      }
       __syncwarp();  // raw stage s landed for the warp's lanes (each warp reads only what it copied)
       mbar_wait(empty0 + 8 * slot, ((s / STAGES) & 1) ^ 1);
       const u32 ab = abase + slot * A_BYTES;
+      if (TBULK) {
+        if (pt == 0) {
+          mbar_arrive_tx(full0 + 8 * slot, A_BYTES);
+          bulk_g2s(ab, xtile + (long)s * A_BYTES, A_BYTES, full0 + 8 * slot);
+        }
+      } else {
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {  // chunk 2 v + pt % 2 of rows n0, n0 + 64 (8 rows of core matrices on)
-        cp16(ab + xd0 + 2 * v * LBO_A, xrow0 + s * KS + 32 * v, o0 >= 0);
-        cp16(ab + xd0 + 2 * v * LBO_A + 8 * 128, xrow1 + s * KS + 32 * v, o1 >= 0);
+        for (int v = 0; v < 4; ++v) {  // chunk 2 v + pt % 2 of rows n0, n0 + 64 (8 rows of core matrices on)
+          cp16(ab + xd0 + 2 * v * LBO_A, xrow0 + s * KS + 32 * v, o0 >= 0);
+          cp16(ab + xd0 + 2 * v * LBO_A + 8 * 128, xrow1 + s * KS + 32 * v, o1 >= 0);
+        }
+        mbar_cp_arrive(full0 + 8 * slot);
       }
-      mbar_cp_arrive(full0 + 8 * slot);
       issue_raw(s + RAW - 1);
       const u8* raw = smem + (rbase - base) + (s % RAW) * RAW_BYTES;
       u8* bsm = smem + (bbase - base) + slot * B_BYTES;
