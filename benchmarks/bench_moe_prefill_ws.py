@@ -20,22 +20,22 @@ from m3c.backends.kernels import moe_prefill_ws as ws
 from m3c.backends.triton_aot import jit_run
 
 FP8_FLOPS = 1280e12
-DEFAULT_LUT = ws.LUT  # the shipped setting (set_build changes ws.LUT): a build string without LUT gets it
+DEFAULT_LUT, DEFAULT_TBULK = ws.LUT, ws.TBULK  # as shipped (set_build changes them): a build string without them gets them
 
 
 def set_build(b: str) -> None:
-    """moe_prefill_ws's build knobs from "STAGES,RAW[,SKIP[,LUT[,TBULK[,RBULK]]]]"."""
+    """moe_prefill_ws's build knobs from "STAGES,RAW[,SKIP[,LUT[,TBULK]]]"."""
     v = [int(x) for x in b.split(",")]
-    ws.STAGES, ws.RAW, ws.SKIP, lut, tbulk, rbulk = (v + [0, int(DEFAULT_LUT), 0, 0][len(v) - 2:])[:6]
-    ws.LUT, ws.TBULK, ws.RBULK = bool(lut), bool(tbulk), bool(rbulk)
+    ws.STAGES, ws.RAW, ws.SKIP, lut, tbulk = (v + [0, int(DEFAULT_LUT), int(DEFAULT_TBULK)][len(v) - 2:])[:5]
+    ws.LUT, ws.TBULK = bool(lut), bool(tbulk)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
-    ap.add_argument("--builds", nargs="+", default=["3,3"], metavar="STAGES,RAW[,SKIP[,LUT[,TBULK[,RBULK]]]]",
+    ap.add_argument("--builds", nargs="+", default=["3,3"], metavar="STAGES,RAW[,SKIP[,LUT[,TBULK]]]",
                     help="LUT 0 / 1 (default: as shipped); SKIP 1: no MMAs, 2: no decode, 3: neither (timing probes, "
-                         "wrong results); TBULK / RBULK 1: tokens / raw weights by bulk copies")
+                         "wrong results); TBULK 0 / 1: the tokens by cp.async / one bulk copy a stage (default: as shipped)")
     ap.add_argument("--once", action="store_true", help="two calls of the first build, nothing else (for ncu)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -77,6 +77,7 @@ def main() -> None:
         for b in args.builds:
             set_build(b)
             name = f"ws_s{ws.STAGES}_r{ws.RAW}" + (f"_skip{ws.SKIP}" if ws.SKIP else "") + ("_lut" if ws.LUT else "")
+            name += "_tbulk" if ws.TBULK else ""
             name += f"_run{sum(k.startswith(name) for k in row) + 1}" if name in row else ""
             act = torch.full((p, I), float("nan"), dtype=torch.bfloat16, device="cuda")
 

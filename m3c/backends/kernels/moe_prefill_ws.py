@@ -14,10 +14,13 @@ consumers' MMAs removed it alone takes ~2.3 ms, while the consumers with the dec
 One producer warpgroup is all the registers allow (512 threads cap them at 128; the m64n256 consumers need >= 154).
 Session 20: the producer's copies and barriers alone take 1.61 of the 2.27 ms (latency-bound: deeper rings are
 faster, 4 stages do not fit); its tables from a shared lookup table (:data:`LUT`) 2.16 ms vs 2.27 for the register-A
-FC1 with the same lookup. Not wired into ``megamoe``.
+FC1 with the same lookup. Session 27: the tokens by one bulk copy a stage from a tile image (:data:`TBULK`)
+1.95 ms vs 2.06-2.18 with cp.async (T = 16384: 7.26 vs 8.22); the raw codes by bulk copies measured slower
+(2.44 ms) and were dropped. Not wired into ``megamoe``.
 
 Routed experts only (the shared expert stays in the register-A kernels); tokens in E4M3 with one float32 scale a
-row in natural K order (``moe_pf_quant`` with ``permute=0``); ``act`` in natural column order. Weights: moe_cuda's
+row in natural K order (``moe_pf_quant`` with ``permute=0``), with TBULK also as :func:`token_image`'s tiles (made
+by torch ops here: 1.3 ms at T = 4096, a gather a kernel would do in ~0.06); ``act`` in natural column order. Weights: moe_cuda's
 prepacked NVFP4 copy (:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`), whose lane (g, j) holds rows g, g + 8
 at K 16 j .. 16 j + 15 of each 64-K chunk — one 16-byte E4M3 row chunk each, written where B's K-major core
 matrices want them.
@@ -40,8 +43,7 @@ BT = 128  # sorted token rows a CTA
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
 LUT = True  # the E4M3 product tables looked up by scale byte in a shared table built once a CTA (2.30 -> 2.16 ms)
-TBULK = False  # the tokens by one 16 KiB bulk copy a stage from a tile image (:func:`token_image`), not cp.async
-RBULK = False  # each producer warp's raw codes and scales by 8 bulk copies a stage, on its own mbarriers
+TBULK = True  # the tokens by one 16 KiB bulk copy a stage from a tile image (:func:`token_image`), not cp.async
 SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing, 3 = both
 
 
@@ -58,14 +60,13 @@ def fc1_spec() -> CudaKernelSpec:
     if (not 2 <= STAGES <= 4 or not 2 <= RAW <= 4
             or smem_bytes(STAGES, RAW, TBULK) > 227 * 1024 - 2048 - 2048 * LUT):
         raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
-    return _spec(STAGES, RAW, SKIP, LUT, TBULK, RBULK)
+    return _spec(STAGES, RAW, SKIP, LUT, TBULK)
 
 
 @functools.cache
-def _spec(stages: int, raw: int, skip: int, lut: bool = False, tbulk: bool = False,
-          rbulk: bool = False) -> CudaKernelSpec:
+def _spec(stages: int, raw: int, skip: int, lut: bool = False, tbulk: bool = False) -> CudaKernelSpec:
     types = arg_types("*xq *xs *order *offs *rcode *rscale *rrow *act *xt H I E topk wexp")
-    flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),) * tbulk + (("RBULK", 1),) * rbulk
+    flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),) * tbulk
     d = (("STAGES", stages), ("RAW", raw), *flags)
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw, tbulk))
 

@@ -21,10 +21,7 @@
 #define LUT 0     // the product tables looked up by scale byte in a shared table built once a CTA (as moe_prefill_wgmma)
 #endif
 #ifndef TBULK
-#define TBULK 0   // the tokens by one bulk copy a stage (one thread) from a tile image made on the host side
-#endif
-#ifndef RBULK
-#define RBULK 0   // each producer warp's raw codes / scales by 8 bulk copies a stage (one lane), on a per-warp mbarrier
+#define TBULK 0   // the tokens by one bulk copy a stage (one thread) from a tile image (see the kernel's comment)
 #endif
 #ifndef SKIP
 #define SKIP 0    // timing probes only (wrong results): 1 = consumers issue no MMAs, 2 = the producer decodes nothing,
@@ -120,7 +117,7 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
   extern __shared__ __align__(128) u8 smem[];
   __shared__ long long xoff[BT];
   __shared__ float csc[BT];
-  __shared__ __align__(8) unsigned long long bars[2 * STAGES + (RBULK ? 4 * RAW : 0)];
+  __shared__ __align__(8) unsigned long long bars[2 * STAGES];
   int expert, p0, count;
   if (!find_tile(offs, E, expert, p0, count)) return;
   const int rb = blockIdx.y, tid = threadIdx.x;
@@ -143,7 +140,6 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
       mbar_init(full0 + 8 * i, TBULK ? NP + 1 : 2 * NP);
       mbar_init(empty0 + 8 * i, 8);    // the consumers' 8 warps
     }
-    for (int i = 0; i < (RBULK ? 4 * RAW : 0); ++i) mbar_init(full0 + 8 * (2 * STAGES + i), 1);  // [warp][raw slot]
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   const u32 wdec = ((u32)(15 - wexp) << 10) * 0x10001u;  // the f16x2 pair 2^-wexp
@@ -178,23 +174,8 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     const u8* xrow0 = xq + (o0 < 0 ? 0 : o0) + 16 * (pt % 2);
     const u8* xrow1 = xq + (o1 < 0 ? 0 : o1) + 16 * (pt % 2);
     const u32 xd0 = (pt % 2) * LBO_A + (n0 / 8) * 128 + (n0 % 8) * 16;
-    const u32 rbar = full0 + 8 * (2 * STAGES + pw * RAW);  // RBULK: this warp's raw barriers
     const u8* xtile = xt + (long)blockIdx.x * nst * A_BYTES;  // TBULK: this tile's image
     auto issue_raw = [&](int s) {
-      if (RBULK) {  // (the warp's earlier reads of the slot, stage s - RAW's, are done: the caller syncs the warp)
-        if (lane == 0 && s < nst) {
-          const u32 rb_ = rbase + (s % RAW) * RAW_BYTES, bar = rbar + 8 * (s % RAW);
-          fence_async_smem();
-          mbar_arrive_tx(bar, 4 * 1024 + 4 * 256);
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            const long tile = tile_of(4 * pw + v);
-            bulk_g2s(rb_ + (4 * pw + v) * 1024, rcode + tile * tstride + (long)s * 1024, 1024, bar);
-            bulk_g2s(rb_ + RC_BYTES + (4 * pw + v) * 256, rscale + tile * H + (long)(s >> 1) * 256, 256, bar);
-          }
-        }
-        return;
-      }
       if (s < nst) {
         const u32 rb_ = rbase + (s % RAW) * RAW_BYTES;
 #pragma unroll
@@ -211,11 +192,7 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     for (int s = 0; s < RAW - 1; ++s) issue_raw(s);
     for (int s = 0; s < nst; ++s) {
       const int slot = s % STAGES;
-      if (RBULK) {
-        mbar_wait(rbar + 8 * (s % RAW), (s / RAW) & 1);
-      } else {
-        cp_wait<RAW - 2>();
-      }
+      cp_wait<RAW - 2>();
       __syncwarp();  // raw stage s landed for the warp's lanes (each warp reads only what it copied)
       mbar_wait(empty0 + 8 * slot, ((s / STAGES) & 1) ^ 1);
       const u32 ab = abase + slot * A_BYTES;
