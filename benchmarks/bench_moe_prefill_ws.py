@@ -72,7 +72,7 @@ def main() -> None:
         flops = 2 * p * H * 2 * I
         row = {"T": t, "fc1_flop_floor_ms": flops / FP8_FLOPS * 1e3,
                "register_a_ms": bench(run_ref), "register_a_graph_ms": bench_graph(run_ref),
-               "token_image_ms (torch ops, untuned)": bench(lambda a=(xq_n, order, offs): ws.token_image(*a, K))}
+               "token_image_ms": bench(lambda a=(xq_n, order, offs): ws.token_image(*a, K))}
         first = None
         for b in args.builds:
             set_build(b)

@@ -60,6 +60,7 @@ import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec, arg_types
 from m3c.backends.kernels import moe_prefill as mp
+from m3c.backends.kernels import moe_prefill_ws as ws
 from m3c.backends.kernels.host import derived, derived_ready, persistent, persistent_ready
 from m3c.backends.kernels.moe_cuda import CaptureError, is_prepacked, packed_pair
 from m3c.backends.options import MOE_PREFILL_PRECISIONS
@@ -76,6 +77,8 @@ XPAD = 0  # bytes of padding between the token tile's 16-byte K chunks (64: bank
 CTAS = 1  # CTAs an SM the kernels' registers are held to (launch bounds); their shared memory must fit as many
 LUT = True  # fp8: the E4M3 product tables looked up by scale byte in a shared table built once a CTA (bitwise the
 # tables the loop would make; 4.7 vs 4.9 ms at T = 4096, RESULTS.md session 20)
+WS_FC1 = False  # fp8: the routed FC1 tiles on the warp-specialized kernel (moe_prefill_ws, tokens by bulk copies from
+# their tile image), the shared expert's on this module's FC1 in a second launch; act then re-ordered by the quantizer
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
 KST = 64
 ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128
@@ -116,6 +119,14 @@ def check_precision(precision: str | None, name: str = "precision") -> str:
     if p not in PRECISIONS:
         raise ConfigError(f"{name}={p!r}: expected one of {PRECISIONS}")
     return p
+
+
+def ws_specs(precision: str | None, hidden: int, inter: int) -> tuple[CudaKernelSpec, ...]:
+    """The warp-specialized FC1's specs (and its token image's) where :data:`WS_FC1` runs them: fp8, H and I it
+    takes."""
+    if check_precision(precision) != "fp8" or not WS_FC1 or not ws.supports(hidden, inter):
+        return ()
+    return (ws.fc1_spec(), *((ws.image_spec(),) if ws.TBULK else ()))
 
 
 def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
@@ -312,7 +323,8 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if mp.POISON_WORKSPACES:
         for buf in (act, sact, y):
             buf.fill_(float("nan"))
-    if fp8:  # E4M3 rows with a float32 scale each: the tokens (in the fp8 K order), then act
+    ws_fc1 = fp8 and WS_FC1 and ws.supports(h, i)
+    if fp8:  # E4M3 rows with a float32 scale each: the tokens (in the fp8 K order; natural for ws_fc1), then act
         xq = torch.empty((t, h), dtype=torch.uint8, device=x.device)
         xs = torch.empty((t,), dtype=torch.float32, device=x.device)
         act8 = torch.empty((p, i), dtype=torch.uint8, device=x.device)
@@ -323,13 +335,19 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
             for buf in (xs, a_s):
                 buf.fill_(float("nan"))
         e13, e2 = fp8_exponent(w13), fp8_exponent(w2)
-        runner(quant[0], (t,), [x, xq, xs, h, 1])
+        runner(quant[0], (t,), [x, xq, xs, h, int(not ws_fc1)])
     else:
         xq, xs, act8, a_s, e13, e2 = x.index_select(1, _k_order_on(x.device, h)), wts, act, wts, 0, 0
-    runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows),
-           [x, xq, xs, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k, e13])
+    fc1_args = [x, xq, xs, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k, e13]
+    if ws_fc1:  # routed tiles on the warp-specialized kernel (act in natural column order), shared ones here
+        xt = ws.token_image(xq, order, offs, k, runner=runner) if ws.TBULK else None
+        ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=e13, xt=xt, runner=runner)
+        if n_sh:
+            runner(fc1, (n_sh, 2 * s // rows), fc1_args)
+    else:
+        runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows), fc1_args)
     if fp8:
-        runner(quant[0], (p,), [act, act8, a_s, i, 0])
+        runner(quant[0], (p,), [act, act8, a_s, i, int(ws_fc1)])
     runner(fc2, (m_tiles, h // rows),
            [act8, sact, a_s, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots, e2])
     tiles = mp._tile_options(lay, "large", False)  # the deterministic combine: moe_prefill's Triton kernel

@@ -71,31 +71,38 @@ def _spec(stages: int, raw: int, skip: int, lut: bool = False, tbulk: bool = Fal
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw, tbulk))
 
 
+def supports(hidden: int, inter: int) -> bool:
+    """Whether :func:`fc1` takes H and I (H a multiple of 256: whole scale super-chunks; I of :data:`COLS`)."""
+    return hidden % 256 == 0 and inter % COLS == 0
+
+
 def max_tiles(pairs: int, experts: int) -> int:
     """The FC1 grid's tiles of BT sorted pairs: at most one partial tile an expert beyond ceil(pairs / BT)."""
     return min(-(-pairs // BT) + experts, pairs)
 
 
-def token_image(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The tokens as :data:`TBULK`'s copies read them: for each tile of BT sorted pairs (the experts' tiles in
-    expert order, as the grid's x) and each 128-K stage, the 16 KiB image of the A buffer (K chunk kc of tile row n
-    at 2048 kc + 16 n); rows past an expert's last pair stay zero. Device ops only (no host sync; capturable).
-    uint8 [max_tiles, H / 128 * 16384]."""
-    h = xq.shape[1]
+@functools.cache
+def image_spec() -> CudaKernelSpec:
+    """The spec of ``moe_ws_image``, which writes :func:`token_image`."""
+    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_image", arg_types("*xq *order *offs *xt H E topk"),
+                          (), 8, 0)
+
+
+def token_image(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, top_k: int, *,
+                runner: Runner = jit_run) -> torch.Tensor:
+    """The tokens as :data:`TBULK`'s copies read them (``moe_ws_image``, one CTA a tile and 128-K stage): for each
+    tile of BT sorted pairs (the experts' tiles in expert order, as FC1's grid numbers them) and each stage, the 16
+    KiB image of the A buffer (K chunk kc of tile row n at 2048 kc + 16 n); rows past an expert's last pair, and
+    tiles past the last, are zero. No host sync (capturable). uint8 [max_tiles, H / 128 * 16384]."""
+    h = xq.shape[-1]
     p, e = order.numel(), offs.numel() - 1
-    nst = h // KS
-    img = torch.zeros(max_tiles(p, e), nst, 8, BT, 16, dtype=torch.uint8, device=xq.device)
-    if p == 0:
-        return img.view(img.shape[0], -1)
-    offs = offs.long()
-    tiles = (offs[1:] - offs[:-1] + BT - 1) // BT
-    first = torch.cumsum(tiles, 0) - tiles  # each expert's first tile
-    pair = torch.arange(p, device=xq.device)
-    ex = torch.searchsorted(offs[1:], pair, right=True)  # the expert of sorted pair p
-    local = pair - offs[ex]
-    rows = xq.index_select(0, order.long() // top_k).view(p, nst, 8, 16)
-    img.permute(0, 3, 1, 2, 4)[first[ex] + local // BT, local % BT] = rows
-    return img.view(img.shape[0], -1)
+    if xq.dim() != 2 or h % KS or xq.dtype != torch.uint8 or order.dtype != torch.int32 or offs.dtype != torch.int32:
+        raise ShapeError(f"moe_prefill_ws.token_image: xq must be uint8 [T, H] with H a multiple of {KS}, order and "
+                         f"offs int32; got xq {xq.dtype} {tuple(xq.shape)}, order {order.dtype}, offs {offs.dtype}")
+    img = torch.empty(max_tiles(p, e), h // KS * BT * KS, dtype=torch.uint8, device=xq.device)
+    if p:
+        runner(image_spec(), (img.shape[0], h // KS), [xq, order, offs, img, h, e, top_k])
+    return img
 
 
 def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, rcode: torch.Tensor,
@@ -110,7 +117,7 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
     p, inter = act.shape
     e = offs.numel() - 1
     where = f"moe_prefill_ws.fc1: xq {tuple(xq.shape)}, act {tuple(act.shape)}"
-    if h % 256 or inter % COLS:  # (the prepacked scales come in 256-K super-chunks)
+    if not supports(h, inter):  # (the prepacked scales come in 256-K super-chunks)
         raise ShapeError(f"{where}: H must be a multiple of 256 and I of {COLS}")
     if p != t * top_k or xs.shape != (t,) or rrow.numel() != e * 2 * inter or order.shape != (p,):
         raise ShapeError(f"{where}, xs {tuple(xs.shape)}, order {tuple(order.shape)}, rrow {tuple(rrow.shape)}, "

@@ -184,7 +184,11 @@ def test_megamoe_lists_the_wgmma_specs_only_when_on(monkeypatch: pytest.MonkeyPa
                                                                            "mxfp8")]
     assert fams().count("megamoe_prefill_wgmma") == 2  # FC1, FC2
     monkeypatch.setattr(pc, "PRECISION", "fp8")  # the default precision's build is the one compiled ahead of time
+    monkeypatch.setattr(pc, "WS_FC1", False)
     assert fams().count("megamoe_prefill_wgmma") == 3  # + the row quantizer
+    monkeypatch.setattr(pc, "WS_FC1", True)  # + the warp-specialized FC1 and its token image
+    assert fams().count("megamoe_prefill_wgmma") == 3 and fams().count("megamoe_prefill_ws") == 2
+    assert pc.ws_specs("fp8", 6144, 1600) == () and pc.ws_specs("bf16", 6144, 1536) == ()  # I % 128; bf16 tiles
     monkeypatch.setattr(pc, "PRECISION", "bf16")
     monkeypatch.setattr(megamoe, "PREFILL_WGMMA", False)
     assert "megamoe_prefill_wgmma" not in fams()
@@ -356,6 +360,40 @@ def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew:
     rel_exact = float((out.double() - ref.double()).norm() / ref.double().norm())
     assert rel_exact < 8e-2, rel_exact
     assert torch.equal(pc.moe_prefill_wgmma(xb, *args[1:], precision="fp8"), out), "not deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, h, inter, e, k, s, skew, empty", [
+    (77, 512, 256, 8, 2, 128, False, 2), (300, 6144, 256, 8, 2, 0, True, 3), (1000, 6144, 1536, 64, 8, 1536, False, 3)])
+def test_fp8_with_the_warp_specialized_fc1_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew: bool,
+                                               empty: int, rng: torch.Generator,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """WS_FC1 (routed FC1 tiles on moe_prefill_ws with the tokens' tile image, the shared expert's on the register-A
+    FC1, act re-ordered by the quantizer): the fp8 model's bounds (test_fp8_build_gpu), NaN-poisoned workspaces,
+    near the register-A build (the MMAs group K differently), deterministic, and graph replays with new tokens."""
+    monkeypatch.setattr(pc, "WS_FC1", True)
+    x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8" if s else None, rng, skew=skew,
+                                               empty=empty)
+    args = [_to(v, "cuda") for v in (x.bfloat16().float(), ids, wts, w13, w2, sh13, sh2)]
+    xb = args[0].bfloat16()
+    out = torch.full((t, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert pc.moe_prefill_wgmma(xb, *args[1:], out=out, precision="fp8") is out and torch.isfinite(out).all()
+    model = _fp8_model(*args)
+    rel = float((out.double() - model).norm() / model.norm())
+    worst = float(((out.double() - model).norm(dim=1) / model.norm(dim=1)).max())
+    assert rel < 3e-2 and worst < 7.5e-2, (rel, worst)
+    assert torch.equal(pc.moe_prefill_wgmma(xb, *args[1:], precision="fp8"), out), "not deterministic"
+    monkeypatch.setattr(pc, "WS_FC1", False)
+    plain = pc.moe_prefill_wgmma(xb, *args[1:], precision="fp8")
+    assert float((out.double() - plain.double()).norm() / plain.double().norm()) < 2e-2
+    monkeypatch.setattr(pc, "WS_FC1", True)
+    xg = xb.clone()
+    graph, got = torch.cuda.CUDAGraph(), torch.empty_like(out)
+    with torch.cuda.graph(graph):
+        pc.moe_prefill_wgmma(xg, *args[1:], out=got, precision="fp8")
+    xg.copy_(torch.randn(xg.shape, generator=rng).to(xg))
+    graph.replay()
+    assert torch.equal(got, pc.moe_prefill_wgmma(xg, *args[1:], precision="fp8"))
 
 
 @pytest.mark.gpu

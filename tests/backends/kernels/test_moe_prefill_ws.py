@@ -54,26 +54,48 @@ def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(build: tuple[int, ...],
     assert "serializ" not in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-2000:]
 
 
-def test_token_image_puts_each_sorted_pair_where_the_a_buffer_wants_it(rng: torch.Generator) -> None:
-    """Tile r's stage s holds K chunk kc of tile row n at 2048 kc + 16 n (the experts' tiles in expert order, as
-    find_tile numbers them); rows past an expert's last pair, and tiles past the last, are zero."""
+def _image_model(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int) -> torch.Tensor:
+    """token_image by a loop over the sorted pairs: tile r's stage s holds K chunk kc of tile row n at 2048 kc + 16 n
+    (the experts' tiles in expert order), zero elsewhere."""
+    h = xq.shape[1]
+    want = torch.zeros(ws.max_tiles(order.numel(), offs.numel() - 1), h // 128, 8, ws.BT, 16, dtype=torch.uint8)
+    tile = 0
+    for ex in range(offs.numel() - 1):
+        lo, hi = int(offs[ex]), int(offs[ex + 1])
+        for p in range(lo, hi):
+            want[tile + (p - lo) // ws.BT, :, :, (p - lo) % ws.BT] = xq[int(order[p]) // k].cpu().view(h // 128, 8, 16)
+        tile += -(-(hi - lo) // ws.BT)
+    return want.view(want.shape[0], -1)
+
+
+def _image_problem(rng: torch.Generator, device: str = "cpu") -> tuple[torch.Tensor, ...]:
     t, h, e, k = 150, 512, 6, 3
     xq = torch.randint(1, 256, (t, h), dtype=torch.uint8, generator=rng)
     ids = torch.stack([torch.randperm(e, generator=rng)[:k] for _ in range(t)])
     ids[:, 0] = 2  # expert 2 gets 150 pairs: a full tile and a partial one; some experts may get none
     order, offs = mp.checked_permutation(None, ids.long(), e)
+    return xq.to(device), order.to(device), offs.to(device), k
+
+
+def test_token_image_launches_a_cta_a_tile_and_stage_and_checks_its_inputs(rng: torch.Generator) -> None:
+    xq, order, offs, k = _image_problem(rng)
+    calls: list = []
+    img = ws.token_image(xq, order, offs, k, runner=lambda *a: calls.append(a))
+    [(spec, grid, args)] = calls
+    assert spec.kernel == "moe_ws_image" and grid == (ws.max_tiles(order.numel(), 6), 4) == (img.shape[0], 4)
+    assert img.shape[1] == 4 * 16384 and args[3] is img and args[4:] == [512, 6, k]
+    with pytest.raises(ShapeError, match="xq must be uint8"):
+        ws.token_image(xq.float(), order, offs, k)
+    with pytest.raises(ShapeError, match="order and offs int32"):
+        ws.token_image(xq, order.long(), offs, k)
+    assert int(offs[3] - offs[2]) > ws.BT  # (the GPU test's partial second tile of expert 2)
+
+
+@pytest.mark.gpu
+def test_token_image_puts_each_sorted_pair_where_the_a_buffer_wants_it_gpu(rng: torch.Generator) -> None:
+    xq, order, offs, k = _image_problem(rng, "cuda")
     img = ws.token_image(xq, order, offs, k)
-    assert img.shape == (ws.max_tiles(t * k, e), h // 128 * 16384)
-    want = torch.zeros(img.shape[0], h // 128, 8, ws.BT, 16, dtype=torch.uint8)
-    tile = 0
-    for ex in range(e):
-        lo, hi = int(offs[ex]), int(offs[ex + 1])
-        for p in range(lo, hi):
-            row = xq[int(order[p]) // k].view(h // 128, 8, 16)
-            want[tile + (p - lo) // ws.BT, :, :, (p - lo) % ws.BT] = row
-        tile += -(-(hi - lo) // ws.BT)
-    assert torch.equal(img.view_as(want), want)
-    assert int(offs[3] - offs[2]) > ws.BT  # (the partial second tile of expert 2 was exercised)
+    assert torch.equal(img.cpu(), _image_model(xq.cpu(), order.cpu(), offs.cpu(), k))
 
 
 def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -291,3 +291,26 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     }
   }
 }
+
+// The tokens' tile image that TBULK's copies read: CTA (r, s) writes tile r's stage s, 16 KiB: K chunk kc (16 bytes,
+// K s KS + 16 kc ..) of tile row n at kc 2048 + 16 n, from xq's row of the tile's n-th sorted pair; rows past the
+// tile's pairs and tiles past the last are zero. Threads take 16-byte chunks in write order (coalesced stores; the
+// reads gather 16 bytes a row, from L2: xq is T H bytes).
+extern "C" __global__ void __launch_bounds__(256)
+moe_ws_image(const u8* xq, const int* order, const int* offs, u8* xt, int H, int E, int topk, void* scratch0,
+             void* scratch1) {
+  __shared__ long long src[BT];
+  int expert, p0, count;
+  if (!find_tile(offs, E, expert, p0, count)) count = 0;
+  const int s = blockIdx.y, nst = gridDim.y;
+  for (int n = threadIdx.x; n < BT; n += 256)
+    src[n] = n < count ? (long long)(order[p0 + n] / topk) * H + (long long)s * KS : -1;
+  __syncthreads();
+  uint4* dst = (uint4*)(xt + ((long)blockIdx.x * nst + s) * (BT * KS));
+#pragma unroll
+  for (int i = 0; i < BT * KS / 16 / 256; ++i) {
+    const int c = threadIdx.x + 256 * i, kc = c / BT, n = c % BT;
+    const long long o = src[n];
+    dst[c] = o < 0 ? make_uint4(0, 0, 0, 0) : *(const uint4*)(xq + o + 16 * kc);
+  }
+}
