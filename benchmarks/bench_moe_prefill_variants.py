@@ -34,7 +34,8 @@ from m3c.backends.kernels import moe_prefill_cuda as pc
 from m3c.model_defs import quant
 
 H, I, E, K, S = 6144, 1536, 64, 8, 1536  # noqa: E741
-DEFAULT_LUT, DEFAULT_WS = pc.LUT, pc.WS_FC1  # as shipped (the builds below set pc.LUT / pc.WS_FC1 and restore them)
+# as shipped (the builds below set them and restore them); WS: 1 = pc.WS_FC1, 2 = pc.WS_FC2, 3 = both
+DEFAULT_LUT, DEFAULT_WS = pc.LUT, int(pc.WS_FC1) + 2 * int(pc.WS_FC2)
 READ_BW, BF16_FLOPS = 4.28e12, 750e12
 
 VARIANTS = [  # Tiles(bm, bn1, bn2, bk, warps, stages); None = moe_prefill's own pick for the T
@@ -100,7 +101,7 @@ def main() -> None:
     ap.add_argument("--triton-default-only", action="store_true", help="of the Triton tilings, time the default")
     ap.add_argument("--no-wgmma", action="store_true", help="skip the CUDA C++ wgmma kernels (moe_prefill_cuda)")
     ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES[,INFLIGHT[,PROMOTE[,CTAS[,XPAD[,LUT[,WS]]]]]]",
-                    help="wgmma builds to time (default: WGMMA_VARIANTS; LUT, WS (pc.WS_FC1): as shipped)")
+                    help="wgmma builds to time (default: WGMMA_VARIANTS; LUT, WS (1 pc.WS_FC1 + 2 pc.WS_FC2): as shipped)")
     ap.add_argument("--wgmma-precision", nargs="+", default=["bf16"], choices=pc.PRECISIONS,
                     help="routed-tile precisions of each wgmma build (fp8 builds take BT 128 or 256)")
     args = ap.parse_args()
@@ -165,11 +166,11 @@ def main() -> None:
             name = f"wgmma_bt{bt}_wg{wgs}_s{stages}" + (f"_f{inflight}" if inflight > 1 else "") + \
                 ("" if prec == "bf16" else f"_{prec}") + ("_promote" if promote and prec == "fp8" else "") + \
                 (f"_c{ctas}" if ctas > 1 else "") + (f"_x{xpad}" if xpad else "") + \
-                ("_lut" if lut and prec == "fp8" else "") + ("_ws" if ws and prec == "fp8" else "")
+                ("_lut" if lut and prec == "fp8" else "") + (f"_ws{ws}" if ws and prec == "fp8" else "")
             name += f"_run{sum(k.startswith(name) for k in variants) + 1}" if name in variants else ""
-            saved = (pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1)
-            pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1 = \
-                bt, wgs, stages, inflight, bool(promote), ctas, xpad, bool(lut), bool(ws)
+            saved = (pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2)
+            pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2 = \
+                bt, wgs, stages, inflight, bool(promote), ctas, xpad, bool(lut), bool(ws & 1), bool(ws & 2)
             out = torch.empty_like(x)
 
             def run_w(out=out, a=(x, ids, wts, w13, w2, sh13, sh2), prec=prec):
@@ -182,7 +183,7 @@ def main() -> None:
             except Exception as e:  # reported, not fatal
                 variants[name] = {"error": str(e)[:300]}
             finally:
-                pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1 = saved
+                pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2 = saved
             print(t, name, variants[name], flush=True)
         row["variants"] = variants
         best = min((v["ms"], k) for k, v in variants.items() if "ms" in v)

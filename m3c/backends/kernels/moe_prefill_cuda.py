@@ -79,6 +79,7 @@ LUT = True  # fp8: the E4M3 product tables looked up by scale byte in a shared t
 # tables the loop would make; 4.7 vs 4.9 ms at T = 4096, RESULTS.md session 20)
 WS_FC1 = False  # fp8: the routed FC1 tiles on the warp-specialized kernel (moe_prefill_ws, tokens by bulk copies from
 # their tile image), the shared expert's on this module's FC1 in a second launch; act then re-ordered by the quantizer
+WS_FC2 = False  # fp8: the same for FC2 (its A rows from the E4M3 act's tile image)
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
 KST = 64
 ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128
@@ -122,11 +123,13 @@ def check_precision(precision: str | None, name: str = "precision") -> str:
 
 
 def ws_specs(precision: str | None, hidden: int, inter: int) -> tuple[CudaKernelSpec, ...]:
-    """The warp-specialized FC1's specs (and its token image's) where :data:`WS_FC1` runs them: fp8, H and I it
-    takes."""
-    if check_precision(precision) != "fp8" or not WS_FC1 or not ws.supports(hidden, inter):
+    """The warp-specialized kernels' specs (and their tile image's) where :data:`WS_FC1` / :data:`WS_FC2` run them:
+    fp8, H and I they take."""
+    if check_precision(precision) != "fp8":
         return ()
-    return (ws.fc1_spec(), *((ws.image_spec(),) if ws.TBULK else ()))
+    fc1 = WS_FC1 and ws.supports(hidden, inter)
+    return (*((ws.fc1_spec(),) if fc1 else ()), *((ws.fc2_spec(),) if WS_FC2 else ()),
+            *((ws.image_spec(),) if (fc1 and ws.TBULK) or WS_FC2 else ()))
 
 
 def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
@@ -324,6 +327,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         for buf in (act, sact, y):
             buf.fill_(float("nan"))
     ws_fc1 = fp8 and WS_FC1 and ws.supports(h, i)
+    ws_fc2 = fp8 and WS_FC2  # (supported(): H and I multiples of 256)
     if fp8:  # E4M3 rows with a float32 scale each: the tokens (in the fp8 K order; natural for ws_fc1), then act
         xq = torch.empty((t, h), dtype=torch.uint8, device=x.device)
         xs = torch.empty((t,), dtype=torch.float32, device=x.device)
@@ -346,10 +350,16 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
             runner(fc1, (n_sh, 2 * s // rows), fc1_args)
     else:
         runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows), fc1_args)
-    if fp8:
-        runner(quant[0], (p,), [act, act8, a_s, i, int(ws_fc1)])
-    runner(fc2, (m_tiles, h // rows),
-           [act8, sact, a_s, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots, e2])
+    if fp8:  # (register-A FC1 writes act in the fp8 K order and its FC2 reads that; the ws kernels the natural one)
+        runner(quant[0], (p,), [act, act8, a_s, i, int(ws_fc1 != ws_fc2)])
+    fc2_args = [act8, sact, a_s, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots, e2]
+    if ws_fc2:  # routed tiles on the warp-specialized kernel, shared ones here
+        rows_img = ws.token_image(act8, torch.arange(p, dtype=torch.int32, device=x.device), offs, 1, runner=runner)
+        ws.fc2(act8, a_s, order, wts, offs, c2, s2, g2, y, rows_img, top_k=k, wexp=e2, runner=runner)
+        if n_sh:
+            runner(fc2, (n_sh, h // rows), fc2_args)
+    else:
+        runner(fc2, (m_tiles, h // rows), fc2_args)
     tiles = mp._tile_options(lay, "large", False)  # the deterministic combine: moe_prefill's Triton kernel
     runner(mp._specs(lay, tiles, upcast=False)[2], (triton.cdiv(t, tiles.bt), h // tiles.bh), (y, ids, out, t))
     return out

@@ -81,6 +81,20 @@ def max_tiles(pairs: int, experts: int) -> int:
     return min(-(-pairs // BT) + experts, pairs)
 
 
+def fc2_spec() -> CudaKernelSpec:
+    """The FC2 kernel's spec (always :data:`TBULK`: its A rows come from the act's tile image)."""
+    fc1_spec()  # (the same checks)
+    return _fc2_spec(STAGES, RAW, SKIP, LUT)
+
+
+@functools.cache
+def _fc2_spec(stages: int, raw: int, skip: int, lut: bool) -> CudaKernelSpec:
+    types = arg_types("*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt H I E topk slots wexp")
+    flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),)
+    d = (("STAGES", stages), ("RAW", raw), *flags)
+    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc2", types, d, 12, smem_bytes(stages, raw, True))
+
+
 @functools.cache
 def image_spec() -> CudaKernelSpec:
     """The spec of ``moe_ws_image``, which writes :func:`token_image`."""
@@ -139,3 +153,36 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
     runner(fc1_spec(), (tiles, inter // COLS), [xq, xs, order, offs, rcode, rscale, rrow, act,
                                                  xt if TBULK else xq, h, inter, e, top_k, wexp])
     return act
+
+
+def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.Tensor, offs: torch.Tensor,
+        rcode: torch.Tensor, rscale: torch.Tensor, rrow: torch.Tensor, y: torch.Tensor, xt: torch.Tensor, *,
+        top_k: int, wexp: int, runner: Runner = jit_run) -> torch.Tensor:
+    """y[pair / top_k, pair % top_k] = (act[p] . W2[e]) x rrow[e] x wts[pair] for every sorted pair p (pair =
+    order[p]) of the routed experts: act8 [T * top_k, I] E4M3 codes (uint8, natural K order, sorted-pair rows) with
+    row scales a_s; xt its :func:`token_image` (rows = pairs: order arange, top_k 1); wts the flat [T * top_k]
+    routing weights; (rcode, rscale) moe_cuda's prepacked w2 [E, H, I], rrow (E x H float32) its per-row tensor
+    scales, wexp its fp8 exponent; y [T, slots, H] bf16 (the routed slots written; slots > top_k leaves the rest)."""
+    p, inter = act8.shape
+    t, slots, h = y.shape
+    e = offs.numel() - 1
+    tiles = max_tiles(p, e)
+    where = f"moe_prefill_ws.fc2: act8 {tuple(act8.shape)}, y {tuple(y.shape)}"
+    if h % 256 or inter % 256 or p != t * top_k or slots < top_k:
+        raise ShapeError(f"{where}, top_k {top_k}: H and I must be multiples of 256, act8 [T * top_k, I], y [T, "
+                         f">= top_k, H]")
+    if a_s.shape != (p,) or wts.shape != (p,) or order.shape != (p,) or rrow.numel() != e * h \
+            or xt.shape != (tiles, inter // KS * 16384):
+        raise ShapeError(f"{where}: a_s, wts and order must be [{p}], rrow E x H, xt [{tiles}, {inter // KS * 16384}] "
+                         f"(token_image); got {tuple(a_s.shape)}, {tuple(wts.shape)}, {tuple(order.shape)}, "
+                         f"{tuple(rrow.shape)}, {tuple(xt.shape)}")
+    for name, v, dt in (("act8", act8, torch.uint8), ("a_s", a_s, torch.float32), ("order", order, torch.int32),
+                        ("wts", wts, torch.float32), ("offs", offs, torch.int32), ("rrow", rrow, torch.float32),
+                        ("y", y, torch.bfloat16), ("xt", xt, torch.uint8)):
+        if v.dtype != dt or not v.is_contiguous() or v.device != y.device:
+            raise ShapeError(f"moe_prefill_ws.fc2: {name} must be a contiguous {dt} tensor on {y.device}, got "
+                             f"{v.dtype} on {v.device}")
+    if p:
+        runner(fc2_spec(), (tiles, h // 256), [act8, a_s, order, wts, offs, rcode, rscale, rrow, y, xt, h, inter, e,
+                                               top_k, slots, wexp])
+    return y

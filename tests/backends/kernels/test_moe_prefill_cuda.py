@@ -188,7 +188,12 @@ def test_megamoe_lists_the_wgmma_specs_only_when_on(monkeypatch: pytest.MonkeyPa
     assert fams().count("megamoe_prefill_wgmma") == 3  # + the row quantizer
     monkeypatch.setattr(pc, "WS_FC1", True)  # + the warp-specialized FC1 and its token image
     assert fams().count("megamoe_prefill_wgmma") == 3 and fams().count("megamoe_prefill_ws") == 2
-    assert pc.ws_specs("fp8", 6144, 1600) == () and pc.ws_specs("bf16", 6144, 1536) == ()  # I % 128; bf16 tiles
+    assert pc.ws_specs("fp8", 6144, 1600) == ()  # I % 128
+    monkeypatch.setattr(pc, "WS_FC2", True)  # + its FC2
+    assert [sp.kernel for sp in pc.ws_specs("fp8", 6144, 1536)] == ["moe_ws_fc1", "moe_ws_fc2", "moe_ws_image"]
+    monkeypatch.setattr(pc, "WS_FC1", False)
+    assert [sp.kernel for sp in pc.ws_specs("fp8", 6144, 1536)] == ["moe_ws_fc2", "moe_ws_image"]
+    assert pc.ws_specs("bf16", 6144, 1536) == ()  # (bf16 routed tiles: the register-A kernels)
     monkeypatch.setattr(pc, "PRECISION", "bf16")
     monkeypatch.setattr(megamoe, "PREFILL_WGMMA", False)
     assert "megamoe_prefill_wgmma" not in fams()
@@ -363,15 +368,18 @@ def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fc1, fc2", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("t, h, inter, e, k, s, skew, empty", [
     (77, 512, 256, 8, 2, 128, False, 2), (300, 6144, 256, 8, 2, 0, True, 3), (1000, 6144, 1536, 64, 8, 1536, False, 3)])
-def test_fp8_with_the_warp_specialized_fc1_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew: bool,
-                                               empty: int, rng: torch.Generator,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """WS_FC1 (routed FC1 tiles on moe_prefill_ws with the tokens' tile image, the shared expert's on the register-A
-    FC1, act re-ordered by the quantizer): the fp8 model's bounds (test_fp8_build_gpu), NaN-poisoned workspaces,
-    near the register-A build (the MMAs group K differently), deterministic, and graph replays with new tokens."""
-    monkeypatch.setattr(pc, "WS_FC1", True)
+def test_fp8_with_the_warp_specialized_kernels_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew: bool,
+                                                   empty: int, fc1: bool, fc2: bool, rng: torch.Generator,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """WS_FC1 / WS_FC2 (routed tiles on moe_prefill_ws with their A rows' tile image, the shared expert's on the
+    register-A kernels, act re-ordered by the quantizer where the two FCs' K orders differ): the fp8 model's bounds
+    (test_fp8_build_gpu), NaN-poisoned workspaces, near the register-A build (the MMAs group K differently),
+    deterministic, and graph replays with new tokens."""
+    monkeypatch.setattr(pc, "WS_FC1", fc1)
+    monkeypatch.setattr(pc, "WS_FC2", fc2)
     x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8" if s else None, rng, skew=skew,
                                                empty=empty)
     args = [_to(v, "cuda") for v in (x.bfloat16().float(), ids, wts, w13, w2, sh13, sh2)]
@@ -384,9 +392,11 @@ def test_fp8_with_the_warp_specialized_fc1_gpu(t: int, h: int, inter: int, e: in
     assert rel < 3e-2 and worst < 7.5e-2, (rel, worst)
     assert torch.equal(pc.moe_prefill_wgmma(xb, *args[1:], precision="fp8"), out), "not deterministic"
     monkeypatch.setattr(pc, "WS_FC1", False)
+    monkeypatch.setattr(pc, "WS_FC2", False)
     plain = pc.moe_prefill_wgmma(xb, *args[1:], precision="fp8")
     assert float((out.double() - plain.double()).norm() / plain.double().norm()) < 2e-2
-    monkeypatch.setattr(pc, "WS_FC1", True)
+    monkeypatch.setattr(pc, "WS_FC1", fc1)
+    monkeypatch.setattr(pc, "WS_FC2", fc2)
     xg = xb.clone()
     graph, got = torch.cuda.CUDAGraph(), torch.empty_like(out)
     with torch.cuda.graph(graph):

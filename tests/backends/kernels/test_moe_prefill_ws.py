@@ -27,6 +27,11 @@ BUILDS = [(3, 3, 0, 0), (3, 2, 0, 0), (2, 3, 0, 0), (3, 3, 1, 0), (3, 3, 1, 1), 
 KNOBS = ("STAGES", "RAW", "LUT", "TBULK")
 
 
+def _function_sass(spec) -> str:
+    """The SASS of the spec's kernel alone (the module holds FC1, FC2 and the image kernel)."""
+    return disassemble(compile_cuda(spec, "sm_90a").binary).split(f"Function : {spec.kernel}")[1].split("Function :")[0]
+
+
 def _set_build(monkeypatch: pytest.MonkeyPatch, build: tuple[int, ...]) -> None:
     for k, v in zip(KNOBS, build, strict=True):
         monkeypatch.setattr(ws, k, v if k in ("STAGES", "RAW") else bool(v))
@@ -39,7 +44,7 @@ def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(build: tuple[int, ...],
     stages, raw, _, tbulk = build
     spec = ws.fc1_spec()
     assert spec.num_warps == 12 and spec.shared_bytes == ws.smem_bytes(stages, raw, bool(tbulk)) <= 227 * 1024 - 2048
-    sass = disassemble(compile_cuda(spec, "sm_90a").binary)
+    sass = _function_sass(spec)
     assert sass.count("QGMMA.64x256x32.F32.E4M3.E4M3") == 4  # one stage: 4 k32 steps, A and B from descriptors
     assert "SYNCS.PHASECHK" in sass and "SYNCS.ARRIVE" in sass  # mbarrier waits and arrivals
     assert "F2FP.SATFINITE.E4M3" in sass  # (LUT: in the table build)
@@ -52,6 +57,38 @@ def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(build: tuple[int, ...],
                               str(SOURCE_DIR / ws.SOURCE)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "serializ" not in res.stderr and " 0 bytes spill stores" in res.stderr, res.stderr[-2000:]
+
+
+def test_fc2_builds_for_sm90a_and_checks_its_inputs() -> None:
+    """FC2: the same SS wgmma loop with its A rows by one bulk copy a stage, no spills; bad shapes and dtypes named;
+    the grid a tile of 128 sorted pairs x 256 output rows."""
+    spec = ws.fc2_spec()
+    assert spec.kernel == "moe_ws_fc2" and ("TBULK", 1) in spec.defines
+    sass = _function_sass(spec)
+    assert sass.count("QGMMA.64x256x32.F32.E4M3.E4M3") == 4 and sass.count("UBLKCP") == 1
+    u8, i32 = torch.uint8, torch.int32
+    t, k, e, h, i = 4, 2, 3, 512, 256
+    p = t * k
+    packed = torch.zeros(1, dtype=u8)
+    args = [torch.zeros(p, i, dtype=u8), torch.zeros(p), torch.zeros(p, dtype=i32), torch.zeros(p),
+            torch.tensor([0, 3, 3, 8], dtype=i32), packed, packed, torch.zeros(e, h),
+            torch.zeros(t, k + 1, h, dtype=torch.bfloat16), torch.zeros(ws.max_tiles(p, e), 2 * 16384, dtype=u8)]
+    calls: list = []
+    assert ws.fc2(*args, top_k=k, wexp=1, runner=lambda *a: calls.append(a)) is args[8]
+    [(sp, grid, launch)] = calls
+    assert sp is spec and grid == (ws.max_tiles(p, e), 2) and launch[10:] == [h, i, e, k, k + 1, 1]
+    bad = list(args)
+    bad[8] = torch.zeros(t, k - 1, h, dtype=torch.bfloat16)
+    with pytest.raises(ShapeError, match=r"y \[T, >= top_k, H\]"):
+        ws.fc2(*bad, top_k=k, wexp=1)
+    bad = list(args)
+    bad[9] = args[9][1:]
+    with pytest.raises(ShapeError, match=r"xt \[4, 32768\] \(token_image\)"):
+        ws.fc2(*bad, top_k=k, wexp=1)
+    bad = list(args)
+    bad[3] = torch.zeros(p, dtype=torch.float64)
+    with pytest.raises(ShapeError, match=r"wts must be a contiguous torch\.float32"):
+        ws.fc2(*bad, top_k=k, wexp=1)
 
 
 def _image_model(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int) -> torch.Tensor:
@@ -170,7 +207,7 @@ def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, 
     ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13), xt=xt)
     assert torch.equal(again, act), "not deterministic"
     if any(build[2:]):  # bitwise the build without LUT and bulk copies, at the same stages
-        _set_build(monkeypatch, (*build[:2], 0, 0, 0))
+        _set_build(monkeypatch, (*build[:2], 0, 0))
         again.fill_(float("nan"))
         ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13))
         assert torch.equal(again, act)

@@ -106,29 +106,34 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int& expert, i
   return false;
 }
 
-// act[p, c] = SiLU(gate) * up (bf16, as the reference's bf16 model rounds) for the tile's sorted pairs p and the
-// CTA's 128 intermediate columns c (natural order); xq: E4M3 tokens [T, H] (natural K order) with row scales xs.
-// With TBULK the tokens come from xt instead: tile r's stage s is the A buffer's image, 16 KiB at (r H / KS + s)
-// 16 KiB: K chunk kc (16 bytes) of tile row n at kc 2048 + 16 n (moe_prefill_ws.token_image).
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, const u8* rcode, const u8* rscale,
-           const float* rrow, u16* act, const u8* xt, int H, int I, int E, int topk, int wexp, void* scratch0,
-           void* scratch1) {
+// The body of both kernels below. FC1 (FC2 = 0): act[p, c] = SiLU(gate) * up (bf16, as the reference's bf16 model
+// rounds) for the tile's sorted pairs p and the CTA's 128 intermediate columns c (natural order); x: E4M3 tokens
+// [T, H] (natural K order) with row scales xs; K = H. FC2: y[pair / topk * slots + pair % topk, h] = (act[p] .
+// W2[e, h]) x rrow[e, h] x wts[pair] for the CTA's 256 output rows h; x: E4M3 act [T topk, I] in sorted-pair order
+// with row scales xs (moe_pf_quant); K = I. With TBULK the A rows come from xt instead: tile r's stage s is the A
+// buffer's image, 16 KiB at (r K / KS + s) 16 KiB: K chunk kc (16 bytes) of tile row n at kc 2048 + 16 n
+// (moe_prefill_ws.token_image).
+template <int FC2>
+__device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int* order, const float* wts,
+                                        const int* offs, const u8* rcode, const u8* rscale, const float* rrow,
+                                        u16* out, const u8* xt, int H, int I, int E, int topk, int slots, int wexp) {
   extern __shared__ __align__(128) u8 smem[];
   __shared__ long long xoff[BT];
   __shared__ float csc[BT];
+  __shared__ long long yrow[FC2 ? BT : 1];
   __shared__ __align__(8) unsigned long long bars[2 * STAGES];
   int expert, p0, count;
   if (!find_tile(offs, E, expert, p0, count)) return;
-  const int rb = blockIdx.y, tid = threadIdx.x;
+  const int rb = blockIdx.y, tid = threadIdx.x, K = FC2 ? I : H;
   const float up2 = __uint_as_float((u32)(127 + wexp) << 23);
   for (int n = tid; n < BT; n += THREADS) {
     long long o = -1;
     float f = 0.f;
     if (n < count) {
-      const int tok = order[p0 + n] / topk;
-      o = (long long)tok * H;
-      f = xs[tok] * up2;
+      const int pair = order[p0 + n], tok = pair / topk;
+      o = FC2 ? (long long)(p0 + n) * I : (long long)tok * H;
+      f = FC2 ? xs[p0 + n] * up2 * wts[pair] : xs[tok] * up2;
+      if (FC2) yrow[n] = (long long)tok * slots + pair % topk;
     }
     xoff[n] = o;
     csc[n] = f;
@@ -148,14 +153,15 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
   __syncthreads();
   const u32 base = smem_u32(smem);
   const u32 abase = base, bbase = base + STAGES * A_BYTES, rbase = bbase + STAGES * B_BYTES;
-  const int nst = H / KS;
+  const int nst = K / KS;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, j = lane & 3;
 
   if (warp >= 8) {  // ---- producer warpgroup(s)
     const int pt = tid - 256, pw = warp - 8;
-    const long e0 = (long)expert * (2 * I / 16), g0 = e0 + rb * 8, u0 = e0 + I / 16 + rb * 8;
+    // the CTA's 16 weight tiles of 16 rows: FC1 8 of gate rows and 8 of up rows, FC2 16 consecutive
+    const long e0 = (long)expert * ((FC2 ? H : 2 * I) / 16), g0 = e0 + rb * (FC2 ? 16 : 8), u0 = e0 + I / 16 + rb * 8;
     const long tstride = (long)nst * 1024;
-    auto tile_of = [&](int t) { return t < 8 ? g0 + t : u0 + (t - 8); };
+    auto tile_of = [&](int t) { return FC2 || t < 8 ? g0 + t : u0 + (t - 8); };
     // This thread's copies, the same each stage but for the K offset. Raw codes / scales: each warp copies those of
     // the 4 tiles it decodes (lane: code chunks lane, lane + 32 of each; the scale chunks of tiles 4 pw + lane / 16
     // + {0, 2}), so a warp-level sync suffices. Tokens: rows n0 = pt / 2 and n0 + 64, chunks 2 v + pt % 2 (v < 4;
@@ -167,7 +173,7 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
     const u8* sbase[2];
 #pragma unroll
     for (int v = 0; v < 2; ++v)
-      sbase[v] = rscale + tile_of(4 * pw + lane / 16 + 2 * v) * (long)H + (pt % 16) * 16;
+      sbase[v] = rscale + tile_of(4 * pw + lane / 16 + 2 * v) * (long)K + (pt % 16) * 16;
     const u32 cd0 = 4 * pw * 1024 + lane * 16, sd0 = RC_BYTES + (4 * pw + lane / 16) * 256 + (pt % 16) * 16;
     const int n0 = pt / 2;
     const long long o0 = xoff[n0], o1 = xoff[n0 + 64];
@@ -236,13 +242,14 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
 #pragma unroll
       for (int tl = 0; tl < TW; ++tl) {
         const int t = TW * pw + tl, up = t >= 8, tt = t & 7;
-        const int n = 32 * tt + 8 * up + g;  // rows g, g + 8 of the tile -> MMA columns n, n + 16
+        // rows g, g + 8 of the tile -> MMA columns n, n + 16 (FC1: gate / up interleaved) or n, n + 8 (FC2)
+        const int n = FC2 ? 16 * t + g : 32 * tt + 8 * up + g;
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int kc = 4 * c + j;  // 16 K of the stage: 64 c + 16 j ..
           uint4* d = (uint4*)(bsm + kc * LBO_B + (n / 8) * 128 + (n % 8) * 16);
           d[0] = dr[tl][c][0];
-          d[16] = dr[tl][c][1];  // MMA column n + 16: two core matrices on
+          d[FC2 ? 8 : 16] = dr[tl][c][1];  // MMA column n + 8 / n + 16: one / two core matrices on
         }
       }
       fence_async_smem();  // the decoded B (generic writes) visible to the consumers' wgmma (async proxy)
@@ -273,6 +280,25 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
   wg_wait_acc<0>(acc);
 
   const int r = 16 * (warp & 3) + g;  // the lane's token rows r, r + 8 of its warpgroup's 64
+  if (FC2) {  // accumulator 4 q + 2 h + u: token row r + 8 h, output row 8 q + 2 j + u of the CTA's 256
+    const long h0 = (long)rb * 256;
+    const float* fr = rrow + (long)expert * H + h0;
+#pragma unroll
+    for (int q = 0; q < 32; ++q) {
+      const int c = 8 * q + 2 * j;
+      const float f0 = fr[c], f1 = fr[c + 1];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tk = 64 * cw + r + 8 * h;
+        if (tk < count) {
+          const float cs = csc[tk];
+          *(u32*)(out + yrow[tk] * H + h0 + c) =
+              (u32)bf16_bits(acc[4 * q + 2 * h] * f0 * cs) | ((u32)bf16_bits(acc[4 * q + 2 * h + 1] * f1 * cs) << 16);
+        }
+      }
+    }
+    return;
+  }
   const long col0 = (long)rb * 128;
   const float* fr = rrow + (long)expert * 2 * I;
 #pragma unroll
@@ -286,10 +312,25 @@ moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, con
         const float cs = csc[tk];
         const float v0 = silu_mul_bf16(acc[8 * m + 2 * h] * fg0 * cs, acc[8 * m + 4 + 2 * h] * fu0 * cs);
         const float v1 = silu_mul_bf16(acc[8 * m + 2 * h + 1] * fg1 * cs, acc[8 * m + 4 + 2 * h + 1] * fu1 * cs);
-        *(u32*)(act + (long)(p0 + tk) * I + col0 + c) = (u32)bf16_bits(v0) | ((u32)bf16_bits(v1) << 16);
+        *(u32*)(out + (long)(p0 + tk) * I + col0 + c) = (u32)bf16_bits(v0) | ((u32)bf16_bits(v1) << 16);
       }
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, const u8* rcode, const u8* rscale,
+           const float* rrow, u16* act, const u8* xt, int H, int I, int E, int topk, int wexp, void* scratch0,
+           void* scratch1) {
+  ws_gemm<0>(xq, xs, order, nullptr, offs, rcode, rscale, rrow, act, xt, H, I, E, topk, 0, wexp);
+}
+
+// act8 / as: FC2's E4M3 act rows in sorted-pair order and their scales; y [T, slots, H] bf16 (slot = the pair's).
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+moe_ws_fc2(const u8* act8, const float* as, const int* order, const float* wts, const int* offs, const u8* rcode,
+           const u8* rscale, const float* rrow, u16* y, const u8* xt, int H, int I, int E, int topk, int slots,
+           int wexp, void* scratch0, void* scratch1) {
+  ws_gemm<1>(act8, as, order, wts, offs, rcode, rscale, rrow, y, xt, H, I, E, topk, slots, wexp);
 }
 
 // The tokens' tile image that TBULK's copies read: CTA (r, s) writes tile r's stage s, 16 KiB: K chunk kc (16 bytes,
@@ -307,10 +348,14 @@ moe_ws_image(const u8* xq, const int* order, const int* offs, u8* xt, int H, int
     src[n] = n < count ? (long long)(order[p0 + n] / topk) * H + (long long)s * KS : -1;
   __syncthreads();
   uint4* dst = (uint4*)(xt + ((long)blockIdx.x * nst + s) * (BT * KS));
+  constexpr int V = BT * KS / 16 / 256;
+  uint4 v[V];
 #pragma unroll
-  for (int i = 0; i < BT * KS / 16 / 256; ++i) {
-    const int c = threadIdx.x + 256 * i, kc = c / BT, n = c % BT;
-    const long long o = src[n];
-    dst[c] = o < 0 ? make_uint4(0, 0, 0, 0) : *(const uint4*)(xq + o + 16 * kc);
+  for (int i = 0; i < V; ++i) {  // all loads before any store (xq and xt could alias for the compiler)
+    const int c = threadIdx.x + 256 * i;
+    const long long o = src[c % BT];
+    v[i] = o < 0 ? make_uint4(0, 0, 0, 0) : *(const uint4*)(xq + o + 16 * (c / BT));
   }
+#pragma unroll
+  for (int i = 0; i < V; ++i) dst[threadIdx.x + 256 * i] = v[i];
 }
