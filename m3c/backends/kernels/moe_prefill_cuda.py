@@ -47,6 +47,11 @@ Build knobs measured and left off (session 19, fp8 at T = 4096): BT 256 x 2 warp
 most 128 tokens runs the N = 128 MMA on the accumulator's first half) 6.5-6.7 ms vs 4.9; two CTAs an SM of 2
 warpgroups (``CTAS``) 5.6-5.8; padded token chunks (``XPAD`` 64, no bank conflicts in the copies) unchanged. The
 per-warp decode between MMAs is the limit (:mod:`m3c.backends.kernels.moe_prefill_ws` moves it to a producer).
+
+Since session 27 (:data:`WS_FC1`) the fp8 build's routed FC1 tiles run on that warp-specialized kernel instead (its
+tokens in natural K order and as a tile image, ``token_image``); this module's FC1 takes only the shared expert's
+tiles, in a second launch, and the quantizer puts act into the fp8 K order for FC2 (:data:`WS_FC2`, the same for
+FC2, measured slower and is off).
 """
 
 from __future__ import annotations
@@ -77,9 +82,11 @@ XPAD = 0  # bytes of padding between the token tile's 16-byte K chunks (64: bank
 CTAS = 1  # CTAs an SM the kernels' registers are held to (launch bounds); their shared memory must fit as many
 LUT = True  # fp8: the E4M3 product tables looked up by scale byte in a shared table built once a CTA (bitwise the
 # tables the loop would make; 4.7 vs 4.9 ms at T = 4096, RESULTS.md session 20)
-WS_FC1 = False  # fp8: the routed FC1 tiles on the warp-specialized kernel (moe_prefill_ws, tokens by bulk copies from
-# their tile image), the shared expert's on this module's FC1 in a second launch; act then re-ordered by the quantizer
-WS_FC2 = False  # fp8: the same for FC2 (its A rows from the E4M3 act's tile image)
+WS_FC1 = True  # fp8: the routed FC1 tiles on the warp-specialized kernel (moe_prefill_ws, tokens by bulk copies from
+# their tile image), the shared expert's on this module's FC1 in a second launch; act then re-ordered by the quantizer.
+# The whole fp8 prefill 4.68 -> 4.48 ms at T = 4096, 17.5 -> 16.6 at 16384 (RESULTS.md, session 27)
+WS_FC2 = False  # fp8: the same for FC2 (its A rows from the E4M3 act's tile image). Measured slower: its routed
+# tiles 1.50 ms vs 1.44 on the register-A FC2 at T = 4096 (12 stages of K a CTA: the per-CTA start and epilogue show)
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
 KST = 64
 ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128

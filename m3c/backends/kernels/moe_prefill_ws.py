@@ -42,6 +42,7 @@ RAW = 3  # raw code / scale buffers (20 KiB each)
 BT = 128  # sorted token rows a CTA
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
+IMAGE_SPLIT = 8  # CTAs a tile in token_image (each writes every IMAGE_SPLIT-th stage)
 LUT = True  # the E4M3 product tables looked up by scale byte in a shared table built once a CTA (2.30 -> 2.16 ms)
 TBULK = True  # the tokens by one 16 KiB bulk copy a stage from a tile image (:func:`token_image`), not cp.async
 SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing, 3 = both
@@ -103,19 +104,24 @@ def image_spec() -> CudaKernelSpec:
 
 
 def token_image(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, top_k: int, *,
-                runner: Runner = jit_run) -> torch.Tensor:
-    """The tokens as :data:`TBULK`'s copies read them (``moe_ws_image``, one CTA a tile and 128-K stage): for each
+                out: torch.Tensor | None = None, runner: Runner = jit_run) -> torch.Tensor:
+    """The tokens as :data:`TBULK`'s copies read them (``moe_ws_image``, :data:`IMAGE_SPLIT` CTAs a tile): for each
     tile of BT sorted pairs (the experts' tiles in expert order, as FC1's grid numbers them) and each stage, the 16
     KiB image of the A buffer (K chunk kc of tile row n at 2048 kc + 16 n); rows past an expert's last pair, and
-    tiles past the last, are zero. No host sync (capturable). uint8 [max_tiles, H / 128 * 16384]."""
+    tiles past the last, are zero. No host sync (capturable). uint8 [max_tiles, H / 128 * 16384] (``out`` if
+    given)."""
     h = xq.shape[-1]
     p, e = order.numel(), offs.numel() - 1
     if xq.dim() != 2 or h % KS or xq.dtype != torch.uint8 or order.dtype != torch.int32 or offs.dtype != torch.int32:
         raise ShapeError(f"moe_prefill_ws.token_image: xq must be uint8 [T, H] with H a multiple of {KS}, order and "
                          f"offs int32; got xq {xq.dtype} {tuple(xq.shape)}, order {order.dtype}, offs {offs.dtype}")
-    img = torch.empty(max_tiles(p, e), h // KS * BT * KS, dtype=torch.uint8, device=xq.device)
+    shape = (max_tiles(p, e), h // KS * BT * KS)
+    img = torch.empty(shape, dtype=torch.uint8, device=xq.device) if out is None else out
+    if img.shape != shape or img.dtype != torch.uint8 or not img.is_contiguous() or img.device != xq.device:
+        raise ShapeError(f"moe_prefill_ws.token_image: out must be a contiguous uint8 {list(shape)} tensor on "
+                         f"{xq.device}, got {img.dtype} {tuple(img.shape)} on {img.device}")
     if p:
-        runner(image_spec(), (img.shape[0], h // KS), [xq, order, offs, img, h, e, top_k])
+        runner(image_spec(), (img.shape[0], min(h // KS, IMAGE_SPLIT)), [xq, order, offs, img, h, e, top_k])
     return img
 
 

@@ -114,7 +114,7 @@ def _image_problem(rng: torch.Generator, device: str = "cpu") -> tuple[torch.Ten
     return xq.to(device), order.to(device), offs.to(device), k
 
 
-def test_token_image_launches_a_cta_a_tile_and_stage_and_checks_its_inputs(rng: torch.Generator) -> None:
+def test_token_image_launches_split_ctas_a_tile_and_checks_its_inputs(rng: torch.Generator) -> None:
     xq, order, offs, k = _image_problem(rng)
     calls: list = []
     img = ws.token_image(xq, order, offs, k, runner=lambda *a: calls.append(a))
@@ -125,13 +125,19 @@ def test_token_image_launches_a_cta_a_tile_and_stage_and_checks_its_inputs(rng: 
         ws.token_image(xq.float(), order, offs, k)
     with pytest.raises(ShapeError, match="order and offs int32"):
         ws.token_image(xq, order.long(), offs, k)
+    with pytest.raises(ShapeError, match=r"out must be a contiguous uint8 \[\d+, 65536\]"):
+        ws.token_image(xq, order, offs, k, out=img[:, :-16])
     assert int(offs[3] - offs[2]) > ws.BT  # (the GPU test's partial second tile of expert 2)
 
 
 @pytest.mark.gpu
-def test_token_image_puts_each_sorted_pair_where_the_a_buffer_wants_it_gpu(rng: torch.Generator) -> None:
+@pytest.mark.parametrize("split", [1, 3, 8])  # (4 stages: CTAs of 4, 2 / 1 and 1 stages)
+def test_token_image_puts_each_sorted_pair_where_the_a_buffer_wants_it_gpu(split: int, rng: torch.Generator,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ws, "IMAGE_SPLIT", split)
     xq, order, offs, k = _image_problem(rng, "cuda")
-    img = ws.token_image(xq, order, offs, k)
+    img = torch.full((ws.max_tiles(order.numel(), 6), 4 * 16384), 0x7F, dtype=torch.uint8, device="cuda")
+    assert ws.token_image(xq, order, offs, k, out=img) is img  # every byte written (the padding rows zero)
     assert torch.equal(img.cpu(), _image_model(xq.cpu(), order.cpu(), offs.cpu(), k))
 
 

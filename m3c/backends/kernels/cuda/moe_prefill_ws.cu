@@ -333,29 +333,31 @@ moe_ws_fc2(const u8* act8, const float* as, const int* order, const float* wts, 
   ws_gemm<1>(act8, as, order, wts, offs, rcode, rscale, rrow, y, xt, H, I, E, topk, slots, wexp);
 }
 
-// The tokens' tile image that TBULK's copies read: CTA (r, s) writes tile r's stage s, 16 KiB: K chunk kc (16 bytes,
-// K s KS + 16 kc ..) of tile row n at kc 2048 + 16 n, from xq's row of the tile's n-th sorted pair; rows past the
-// tile's pairs and tiles past the last are zero. Threads take 16-byte chunks in write order (coalesced stores; the
-// reads gather 16 bytes a row, from L2: xq is T H bytes).
+// The tokens' tile image that TBULK's copies read: tile r's stage s, 16 KiB, holds K chunk kc (16 bytes, K s KS +
+// 16 kc ..) of tile row n at kc 2048 + 16 n, from xq's row of the tile's n-th sorted pair; rows past the tile's pairs
+// and tiles past the last are zero. CTA (r, y) writes stages y, y + gridDim.y, .. of tile r (one tile search a CTA).
+// Threads take 16-byte chunks in write order (coalesced stores; the reads gather 16 bytes a row, from L2: xq is
+// T H bytes).
 extern "C" __global__ void __launch_bounds__(256)
 moe_ws_image(const u8* xq, const int* order, const int* offs, u8* xt, int H, int E, int topk, void* scratch0,
              void* scratch1) {
   __shared__ long long src[BT];
   int expert, p0, count;
   if (!find_tile(offs, E, expert, p0, count)) count = 0;
-  const int s = blockIdx.y, nst = gridDim.y;
-  for (int n = threadIdx.x; n < BT; n += 256)
-    src[n] = n < count ? (long long)(order[p0 + n] / topk) * H + (long long)s * KS : -1;
+  const int nst = H / KS;
+  for (int n = threadIdx.x; n < BT; n += 256) src[n] = n < count ? (long long)(order[p0 + n] / topk) * H : -1;
   __syncthreads();
-  uint4* dst = (uint4*)(xt + ((long)blockIdx.x * nst + s) * (BT * KS));
   constexpr int V = BT * KS / 16 / 256;
-  uint4 v[V];
+  for (int s = blockIdx.y; s < nst; s += gridDim.y) {
+    uint4* dst = (uint4*)(xt + ((long)blockIdx.x * nst + s) * (BT * KS));
+    uint4 v[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) {  // all loads before any store (xq and xt could alias for the compiler)
-    const int c = threadIdx.x + 256 * i;
-    const long long o = src[c % BT];
-    v[i] = o < 0 ? make_uint4(0, 0, 0, 0) : *(const uint4*)(xq + o + 16 * (c / BT));
+    for (int i = 0; i < V; ++i) {  // all loads before any store (xq and xt could alias for the compiler)
+      const int c = threadIdx.x + 256 * i;
+      const long long o = src[c % BT];
+      v[i] = o < 0 ? make_uint4(0, 0, 0, 0) : *(const uint4*)(xq + o + (long long)s * KS + 16 * (c / BT));
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) dst[threadIdx.x + 256 * i] = v[i];
   }
-#pragma unroll
-  for (int i = 0; i < V; ++i) dst[threadIdx.x + 256 * i] = v[i];
 }
