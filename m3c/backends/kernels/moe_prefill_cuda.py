@@ -131,8 +131,8 @@ def check_precision(precision: str | None, name: str = "precision") -> str:
 
 def ws_specs(precision: str | None, hidden: int, inter: int) -> tuple[CudaKernelSpec, ...]:
     """The warp-specialized kernels' specs (and their tile image's) where :data:`WS_FC1` / :data:`WS_FC2` run them:
-    fp8, H and I they take."""
-    if check_precision(precision) != "fp8":
+    fp8 without PROMOTE, H and I they take."""
+    if check_precision(precision) != "fp8" or PROMOTE:
         return ()
     fc1 = WS_FC1 and ws.supports(hidden, inter)
     return (*((ws.fc1_spec(),) if fc1 else ()), *((ws.fc2_spec(),) if WS_FC2 else ()),
@@ -333,8 +333,9 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if mp.POISON_WORKSPACES:
         for buf in (act, sact, y):
             buf.fill_(float("nan"))
-    ws_fc1 = fp8 and WS_FC1 and ws.supports(h, i)
-    ws_fc2 = fp8 and WS_FC2  # (supported(): H and I multiples of 256)
+    # (PROMOTE asks for float32 sums of each stage: only the register-A kernels do that)
+    ws_fc1 = fp8 and WS_FC1 and not PROMOTE and ws.supports(h, i)
+    ws_fc2 = fp8 and WS_FC2 and not PROMOTE  # (supported(): H and I multiples of 256)
     if fp8:  # E4M3 rows with a float32 scale each: the tokens (in the fp8 K order; natural for ws_fc1), then act
         xq = torch.empty((t, h), dtype=torch.uint8, device=x.device)
         xs = torch.empty((t,), dtype=torch.float32, device=x.device)

@@ -194,6 +194,8 @@ def test_megamoe_lists_the_wgmma_specs_only_when_on(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(pc, "WS_FC1", False)
     assert [sp.kernel for sp in pc.ws_specs("fp8", 6144, 1536)] == ["moe_ws_fc2", "moe_ws_image"]
     assert pc.ws_specs("bf16", 6144, 1536) == ()  # (bf16 routed tiles: the register-A kernels)
+    monkeypatch.setattr(pc, "PROMOTE", True)  # (float32 stage sums: the register-A kernels only)
+    assert pc.ws_specs("fp8", 6144, 1536) == ()
     monkeypatch.setattr(pc, "PRECISION", "bf16")
     monkeypatch.setattr(megamoe, "PREFILL_WGMMA", False)
     assert "megamoe_prefill_wgmma" not in fams()
@@ -343,7 +345,8 @@ def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew:
     reference (the E4M3 rounding of weights, tokens and act: ~5%); deterministic. Against the model: the wgmma
     E4M3 accumulator keeps fewer than float32's bits (1.7% at K = 6144, growing with K, 0.6% at K = 256:
     benchmarks/check_fp8_accumulation.py), so without PROMOTE the bound is loose; with PROMOTE (a fresh accumulator
-    a 128-K stage, added in float32) the model holds to ~0.5% at every K (bf16 act rounding flips). BT 256 builds
+    a 128-K stage, added in float32; it keeps the routed FC1 on the register-A kernel, not WS_FC1's) the model holds
+    to ~0.5% at every K (bf16 act rounding flips). BT 256 builds
     also run tiles of at most 128 tokens (the N = 128 MMA) and full ones (N = 256)."""
     monkeypatch.setattr(pc, "BT", bt)
     monkeypatch.setattr(pc, "WGS", wgs)
