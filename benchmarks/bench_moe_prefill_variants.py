@@ -31,11 +31,12 @@ from _timing import bench, bench_graph, write_results
 
 from m3c.backends.kernels import moe_prefill as mp
 from m3c.backends.kernels import moe_prefill_cuda as pc
+from m3c.backends.kernels import moe_prefill_ws as ws
 from m3c.model_defs import quant
 
 H, I, E, K, S = 6144, 1536, 64, 8, 1536  # noqa: E741
-# as shipped (the builds below set them and restore them); WS: 1 = pc.WS_FC1, 2 = pc.WS_FC2, 3 = both
-DEFAULT_LUT, DEFAULT_WS = pc.LUT, int(pc.WS_FC1) + 2 * int(pc.WS_FC2)
+# as shipped (the builds below set them and restore them); WS bits: 1 pc.WS_FC1, 2 pc.WS_FC2, 4 moe_prefill_ws.PERSIST
+DEFAULT_LUT, DEFAULT_WS = pc.LUT, int(pc.WS_FC1) + 2 * int(pc.WS_FC2) + 4 * int(ws.PERSIST)
 READ_BW, BF16_FLOPS = 4.28e12, 750e12
 
 VARIANTS = [  # Tiles(bm, bn1, bn2, bk, warps, stages); None = moe_prefill's own pick for the T
@@ -101,7 +102,8 @@ def main() -> None:
     ap.add_argument("--triton-default-only", action="store_true", help="of the Triton tilings, time the default")
     ap.add_argument("--no-wgmma", action="store_true", help="skip the CUDA C++ wgmma kernels (moe_prefill_cuda)")
     ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES[,INFLIGHT[,PROMOTE[,CTAS[,XPAD[,LUT[,WS]]]]]]",
-                    help="wgmma builds to time (default: WGMMA_VARIANTS; LUT, WS (1 pc.WS_FC1 + 2 pc.WS_FC2): as shipped)")
+                    help="wgmma builds to time (default: WGMMA_VARIANTS; LUT, WS (1 pc.WS_FC1 + 2 pc.WS_FC2 + 4 PERSIST): as "
+                         "shipped)")
     ap.add_argument("--wgmma-precision", nargs="+", default=["bf16"], choices=pc.PRECISIONS,
                     help="routed-tile precisions of each wgmma build (fp8 builds take BT 128 or 256)")
     args = ap.parse_args()
@@ -161,16 +163,18 @@ def main() -> None:
         # INFLIGHT 1, PROMOTE 0, CTAS 1, XPAD 0, LUT and WS as shipped (pc.LUT, pc.WS_FC1)
         builds = [(*b, *(1, 0, 1, 0, int(DEFAULT_LUT), int(DEFAULT_WS))[len(b) - 3:]) for b in builds]
         firsts: dict[str, torch.Tensor] = {}  # each precision's first build's output (are the others bitwise equal?)
-        for bt, wgs, stages, inflight, promote, ctas, xpad, lut, ws, prec in [] if args.no_wgmma else [
+        for bt, wgs, stages, inflight, promote, ctas, xpad, lut, wsb, prec in [] if args.no_wgmma else [
                 (*b, pr) for b in builds for pr in args.wgmma_precision if pr == "bf16" or b[0] != 64]:
             name = f"wgmma_bt{bt}_wg{wgs}_s{stages}" + (f"_f{inflight}" if inflight > 1 else "") + \
                 ("" if prec == "bf16" else f"_{prec}") + ("_promote" if promote and prec == "fp8" else "") + \
                 (f"_c{ctas}" if ctas > 1 else "") + (f"_x{xpad}" if xpad else "") + \
-                ("_lut" if lut and prec == "fp8" else "") + (f"_ws{ws}" if ws and prec == "fp8" else "")
+                ("_lut" if lut and prec == "fp8" else "") + (f"_ws{wsb}" if wsb and prec == "fp8" else "")
             name += f"_run{sum(k.startswith(name) for k in variants) + 1}" if name in variants else ""
-            saved = (pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2)
-            pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2 = \
-                bt, wgs, stages, inflight, bool(promote), ctas, xpad, bool(lut), bool(ws & 1), bool(ws & 2)
+            saved = (pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2,
+                     ws.PERSIST)
+            pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2, \
+                ws.PERSIST = bt, wgs, stages, inflight, bool(promote), ctas, xpad, bool(lut), bool(wsb & 1), \
+                bool(wsb & 2), bool(wsb & 4)
             out = torch.empty_like(x)
 
             def run_w(out=out, a=(x, ids, wts, w13, w2, sh13, sh2), prec=prec):
@@ -183,7 +187,8 @@ def main() -> None:
             except Exception as e:  # reported, not fatal
                 variants[name] = {"error": str(e)[:300]}
             finally:
-                pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2 = saved
+                pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2, \
+                    ws.PERSIST = saved
             print(t, name, variants[name], flush=True)
         row["variants"] = variants
         best = min((v["ms"], k) for k, v in variants.items() if "ms" in v)

@@ -43,6 +43,7 @@ BT = 128  # sorted token rows a CTA
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
 IMAGE_SPLIT = 8  # CTAs a tile in token_image (each writes every IMAGE_SPLIT-th stage)
+PERSIST = False  # a CTA an SM looping over the (tile, row block) items, instead of a CTA an item
 LUT = True  # the E4M3 product tables looked up by scale byte in a shared table built once a CTA (2.30 -> 2.16 ms)
 TBULK = True  # the tokens by one 16 KiB bulk copy a stage from a tile image (:func:`token_image`), not cp.async
 SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing, 3 = both
@@ -66,7 +67,7 @@ def fc1_spec() -> CudaKernelSpec:
 
 @functools.cache
 def _spec(stages: int, raw: int, skip: int, lut: bool = False, tbulk: bool = False) -> CudaKernelSpec:
-    types = arg_types("*xq *xs *order *offs *rcode *rscale *rrow *act *xt H I E topk wexp")
+    types = arg_types("*xq *xs *order *offs *rcode *rscale *rrow *act *xt H I E topk wexp ntiles")
     flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),) * tbulk
     d = (("STAGES", stages), ("RAW", raw), *flags)
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw, tbulk))
@@ -75,6 +76,17 @@ def _spec(stages: int, raw: int, skip: int, lut: bool = False, tbulk: bool = Fal
 def supports(hidden: int, inter: int) -> bool:
     """Whether :func:`fc1` takes H and I (H a multiple of 256: whole scale super-chunks; I of :data:`COLS`)."""
     return hidden % 256 == 0 and inter % COLS == 0
+
+
+def grid(items: int, device: torch.device) -> tuple[int]:
+    """The kernels' 1-D grid for ``items`` (tile, row block) work items: one CTA each, or with :data:`PERSIST` one
+    CTA an SM (at most), each looping over every gridDim-th item."""
+    return (min(items, _sms(device)) if PERSIST else items,)
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def max_tiles(pairs: int, experts: int) -> int:
@@ -90,7 +102,7 @@ def fc2_spec() -> CudaKernelSpec:
 
 @functools.cache
 def _fc2_spec(stages: int, raw: int, skip: int, lut: bool) -> CudaKernelSpec:
-    types = arg_types("*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt H I E topk slots wexp")
+    types = arg_types("*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt H I E topk slots wexp ntiles")
     flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),)
     d = (("STAGES", stages), ("RAW", raw), *flags)
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc2", types, d, 12, smem_bytes(stages, raw, True))
@@ -156,8 +168,9 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
                          f" got {got}")
     if p == 0:
         return act
-    runner(fc1_spec(), (tiles, inter // COLS), [xq, xs, order, offs, rcode, rscale, rrow, act,
-                                                 xt if TBULK else xq, h, inter, e, top_k, wexp])
+    runner(fc1_spec(), grid(tiles * (inter // COLS), act.device), [xq, xs, order, offs, rcode, rscale, rrow, act,
+                                                                    xt if TBULK else xq, h, inter, e, top_k, wexp,
+                                                                    tiles])
     return act
 
 
@@ -189,6 +202,6 @@ def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.T
             raise ShapeError(f"moe_prefill_ws.fc2: {name} must be a contiguous {dt} tensor on {y.device}, got "
                              f"{v.dtype} on {v.device}")
     if p:
-        runner(fc2_spec(), (tiles, h // 256), [act8, a_s, order, wts, offs, rcode, rscale, rrow, y, xt, h, inter, e,
-                                               top_k, slots, wexp])
+        runner(fc2_spec(), grid(tiles * (h // 256), y.device), [act8, a_s, order, wts, offs, rcode, rscale, rrow, y,
+                                                                 xt, h, inter, e, top_k, slots, wexp, tiles])
     return y

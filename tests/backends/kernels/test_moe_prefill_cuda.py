@@ -371,16 +371,20 @@ def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fc1, fc2", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("fc1, fc2, persist", [(True, False, False), (False, True, False), (True, True, False),
+                                                (True, True, True)])
 @pytest.mark.parametrize("t, h, inter, e, k, s, skew, empty", [
     (77, 512, 256, 8, 2, 128, False, 2), (300, 6144, 256, 8, 2, 0, True, 3), (1000, 6144, 1536, 64, 8, 1536, False, 3)])
 def test_fp8_with_the_warp_specialized_kernels_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew: bool,
-                                                   empty: int, fc1: bool, fc2: bool, rng: torch.Generator,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+                                                   empty: int, fc1: bool, fc2: bool, persist: bool,
+                                                   rng: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     """WS_FC1 / WS_FC2 (routed tiles on moe_prefill_ws with their A rows' tile image, the shared expert's on the
     register-A kernels, act re-ordered by the quantizer where the two FCs' K orders differ): the fp8 model's bounds
     (test_fp8_build_gpu), NaN-poisoned workspaces, near the register-A build (the MMAs group K differently),
-    deterministic, and graph replays with new tokens."""
+    deterministic, and graph replays with new tokens; persist: a CTA an SM looping over the work items."""
+    from m3c.backends.kernels import moe_prefill_ws
+
+    monkeypatch.setattr(moe_prefill_ws, "PERSIST", persist)
     monkeypatch.setattr(pc, "WS_FC1", fc1)
     monkeypatch.setattr(pc, "WS_FC2", fc2)
     x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8" if s else None, rng, skew=skew,

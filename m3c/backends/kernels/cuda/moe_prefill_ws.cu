@@ -90,9 +90,10 @@ __device__ __forceinline__ void wgmma8_ss_n256(float (&d)[128], unsigned long lo
       : "l"(da), "l"(db));
 }
 
-// Tile t of the CTA's routed work: the expert and its first sorted pair (offs: the E + 1 expert row offsets).
-__device__ __forceinline__ bool find_tile(const int* offs, int E, int& expert, int& p0, int& count) {
-  int r = blockIdx.x, base = 0;
+// Tile r of the routed work (each expert's tiles of BT sorted pairs, in expert order): its expert, first sorted pair
+// and pair count (offs: the E + 1 expert row offsets); false past the last tile.
+__device__ __forceinline__ bool find_tile(const int* offs, int E, int r, int& expert, int& p0, int& count) {
+  int base = 0;
   for (int e = 0; e < E; ++e) {
     const int lo = offs[e], hi = offs[e + 1], nt = (hi - lo + BT - 1) / BT;
     if (r < base + nt) {
@@ -113,31 +114,23 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int& expert, i
 // with row scales xs (moe_pf_quant); K = I. With TBULK the A rows come from xt instead: tile r's stage s is the A
 // buffer's image, 16 KiB at (r K / KS + s) 16 KiB: K chunk kc (16 bytes) of tile row n at kc 2048 + 16 n
 // (moe_prefill_ws.token_image).
+// Work items: (tile, row block) pairs, item i = tile i % ntiles of row block i / ntiles (ntiles: the grid's bound on
+// tiles; items past the last tile are skipped). A CTA takes items blockIdx.x, + gridDim.x, ..: one each when the grid
+// covers them all, several when it is persistent; the stage ring and its barrier phases run on across items, so
+// the producer fills the next item's first stages while the consumers store the last one's results.
 template <int FC2>
 __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int* order, const float* wts,
                                         const int* offs, const u8* rcode, const u8* rscale, const float* rrow,
-                                        u16* out, const u8* xt, int H, int I, int E, int topk, int slots, int wexp) {
+                                        u16* out, const u8* xt, int H, int I, int E, int topk, int slots, int wexp,
+                                        int ntiles) {
   extern __shared__ __align__(128) u8 smem[];
-  __shared__ long long xoff[BT];
-  __shared__ float csc[BT];
-  __shared__ long long yrow[FC2 ? BT : 1];
   __shared__ __align__(8) unsigned long long bars[2 * STAGES];
-  int expert, p0, count;
-  if (!find_tile(offs, E, expert, p0, count)) return;
-  const int rb = blockIdx.y, tid = threadIdx.x, K = FC2 ? I : H;
+  const int tid = threadIdx.x, K = FC2 ? I : H, items = ntiles * (FC2 ? H / 256 : I / 128);
   const float up2 = __uint_as_float((u32)(127 + wexp) << 23);
-  for (int n = tid; n < BT; n += THREADS) {
-    long long o = -1;
-    float f = 0.f;
-    if (n < count) {
-      const int pair = order[p0 + n], tok = pair / topk;
-      o = FC2 ? (long long)(p0 + n) * I : (long long)tok * H;
-      f = FC2 ? xs[p0 + n] * up2 * wts[pair] : xs[tok] * up2;
-      if (FC2) yrow[n] = (long long)tok * slots + pair % topk;
-    }
-    xoff[n] = o;
-    csc[n] = f;
-  }
+  // the sorted pair p's A row offset in xq (-1 past the tile's pairs)
+  auto row_of = [&](int p0, int count, int n) -> long long {
+    return n < count ? (FC2 ? (long long)(p0 + n) * I : (long long)(order[p0 + n] / topk) * H) : -1;
+  };
   const u32 full0 = smem_u32(bars), empty0 = full0 + 8 * STAGES;
   if (tid == 0) {
     for (int i = 0; i < STAGES; ++i) {
@@ -158,102 +151,109 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
 
   if (warp >= 8) {  // ---- producer warpgroup(s)
     const int pt = tid - 256, pw = warp - 8;
-    // the CTA's 16 weight tiles of 16 rows: FC1 8 of gate rows and 8 of up rows, FC2 16 consecutive
-    const long e0 = (long)expert * ((FC2 ? H : 2 * I) / 16), g0 = e0 + rb * (FC2 ? 16 : 8), u0 = e0 + I / 16 + rb * 8;
-    const long tstride = (long)nst * 1024;
-    auto tile_of = [&](int t) { return FC2 || t < 8 ? g0 + t : u0 + (t - 8); };
-    // This thread's copies, the same each stage but for the K offset. Raw codes / scales: each warp copies those of
-    // the 4 tiles it decodes (lane: code chunks lane, lane + 32 of each; the scale chunks of tiles 4 pw + lane / 16
-    // + {0, 2}), so a warp-level sync suffices. Tokens: rows n0 = pt / 2 and n0 + 64, chunks 2 v + pt % 2 (v < 4;
-    // chunk kc of token n at kc LBO_A + (n / 8) 128 + (n % 8) 16).
-    const u8* cbase[4];
+    int gs = 0;  // stages produced, over all items (the ring slot and barrier phase)
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const int rb = item / ntiles;
+      int expert, p0, count;
+      if (!find_tile(offs, E, item % ntiles, expert, p0, count)) continue;
+      // the CTA's 16 weight tiles of 16 rows: FC1 8 of gate rows and 8 of up rows, FC2 16 consecutive
+      const long e0 = (long)expert * ((FC2 ? H : 2 * I) / 16), g0 = e0 + rb * (FC2 ? 16 : 8), u0 = e0 + I / 16 + rb * 8;
+      const long tstride = (long)nst * 1024;
+      auto tile_of = [&](int t) { return FC2 || t < 8 ? g0 + t : u0 + (t - 8); };
+      // This thread's copies, the same each stage but for the K offset. Raw codes / scales: each warp copies those of
+      // the 4 tiles it decodes (lane: code chunks lane, lane + 32 of each; the scale chunks of tiles 4 pw + lane / 16
+      // + {0, 2}), so a warp-level sync suffices. Tokens: rows n0 = pt / 2 and n0 + 64, chunks 2 v + pt % 2 (v < 4;
+      // chunk kc of token n at kc LBO_A + (n / 8) 128 + (n % 8) 16).
+      const u8* cbase[4];
 #pragma unroll
-    for (int v = 0; v < 4; ++v)
-      cbase[v] = rcode + tile_of(4 * pw + v) * tstride + lane * 16;
-    const u8* sbase[2];
+      for (int v = 0; v < 4; ++v)
+        cbase[v] = rcode + tile_of(4 * pw + v) * tstride + lane * 16;
+      const u8* sbase[2];
 #pragma unroll
-    for (int v = 0; v < 2; ++v)
-      sbase[v] = rscale + tile_of(4 * pw + lane / 16 + 2 * v) * (long)K + (pt % 16) * 16;
-    const u32 cd0 = 4 * pw * 1024 + lane * 16, sd0 = RC_BYTES + (4 * pw + lane / 16) * 256 + (pt % 16) * 16;
-    const int n0 = pt / 2;
-    const long long o0 = xoff[n0], o1 = xoff[n0 + 64];
-    const u8* xrow0 = xq + (o0 < 0 ? 0 : o0) + 16 * (pt % 2);
-    const u8* xrow1 = xq + (o1 < 0 ? 0 : o1) + 16 * (pt % 2);
-    const u32 xd0 = (pt % 2) * LBO_A + (n0 / 8) * 128 + (n0 % 8) * 16;
-    const u8* xtile = xt + (long)blockIdx.x * nst * A_BYTES;  // TBULK: this tile's image
-    auto issue_raw = [&](int s) {
-      if (s < nst) {
-        const u32 rb_ = rbase + (s % RAW) * RAW_BYTES;
+      for (int v = 0; v < 2; ++v)
+        sbase[v] = rscale + tile_of(4 * pw + lane / 16 + 2 * v) * (long)K + (pt % 16) * 16;
+      const u32 cd0 = 4 * pw * 1024 + lane * 16, sd0 = RC_BYTES + (4 * pw + lane / 16) * 256 + (pt % 16) * 16;
+      const int n0 = pt / 2;
+      const long long o0 = TBULK ? 0 : row_of(p0, count, n0), o1 = TBULK ? 0 : row_of(p0, count, n0 + 64);
+      const u8* xrow0 = xq + (o0 < 0 ? 0 : o0) + 16 * (pt % 2);
+      const u8* xrow1 = xq + (o1 < 0 ? 0 : o1) + 16 * (pt % 2);
+      const u32 xd0 = (pt % 2) * LBO_A + (n0 / 8) * 128 + (n0 % 8) * 16;
+      const u8* xtile = xt + (long)(item % ntiles) * nst * A_BYTES;  // TBULK: this tile's image
+      auto issue_raw = [&](int s) {
+        if (s < nst) {
+          const u32 rb_ = rbase + (s % RAW) * RAW_BYTES;
 #pragma unroll
-        for (int v = 0; v < 4; ++v)
+          for (int v = 0; v < 4; ++v)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)  // tile 4 pw + v, chunk lane + 32 h
-            cp16(rb_ + cd0 + v * 1024 + h * 512, cbase[v] + h * 512 + (long)s * 1024, true);
+            for (int h = 0; h < 2; ++h)  // tile 4 pw + v, chunk lane + 32 h
+              cp16(rb_ + cd0 + v * 1024 + h * 512, cbase[v] + h * 512 + (long)s * 1024, true);
 #pragma unroll
-        for (int v = 0; v < 2; ++v)
-          cp16(rb_ + sd0 + v * 512, sbase[v] + (long)(s >> 1) * 256, true);
-      }
-      cp_commit();
-    };
-    for (int s = 0; s < RAW - 1; ++s) issue_raw(s);
-    for (int s = 0; s < nst; ++s) {
-      const int slot = s % STAGES;
-      cp_wait<RAW - 2>();
-      __syncwarp();  // raw stage s landed for the warp's lanes (each warp reads only what it copied)
-      mbar_wait(empty0 + 8 * slot, ((s / STAGES) & 1) ^ 1);
-      const u32 ab = abase + slot * A_BYTES;
-      if (TBULK) {
-        if (pt == 0) {
-          mbar_arrive_tx(full0 + 8 * slot, A_BYTES);
-          bulk_g2s(ab, xtile + (long)s * A_BYTES, A_BYTES, full0 + 8 * slot);
+          for (int v = 0; v < 2; ++v)
+            cp16(rb_ + sd0 + v * 512, sbase[v] + (long)(s >> 1) * 256, true);
         }
-      } else {
+        cp_commit();
+      };
+      __syncwarp();  // (the warp's reads of the raw ring, last item's, are done)
+      for (int s = 0; s < RAW - 1; ++s) issue_raw(s);
+      for (int s = 0; s < nst; ++s, ++gs) {
+        const int slot = gs % STAGES;
+        cp_wait<RAW - 2>();
+        __syncwarp();  // raw stage s landed for the warp's lanes (each warp reads only what it copied)
+        mbar_wait(empty0 + 8 * slot, ((gs / STAGES) & 1) ^ 1);
+        const u32 ab = abase + slot * A_BYTES;
+        if (TBULK) {
+          if (pt == 0) {
+            mbar_arrive_tx(full0 + 8 * slot, A_BYTES);
+            bulk_g2s(ab, xtile + (long)s * A_BYTES, A_BYTES, full0 + 8 * slot);
+          }
+        } else {
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {  // chunk 2 v + pt % 2 of rows n0, n0 + 64 (8 rows of core matrices on)
-          cp16(ab + xd0 + 2 * v * LBO_A, xrow0 + s * KS + 32 * v, o0 >= 0);
-          cp16(ab + xd0 + 2 * v * LBO_A + 8 * 128, xrow1 + s * KS + 32 * v, o1 >= 0);
+          for (int v = 0; v < 4; ++v) {  // chunk 2 v + pt % 2 of rows n0, n0 + 64 (8 rows of core matrices on)
+            cp16(ab + xd0 + 2 * v * LBO_A, xrow0 + s * KS + 32 * v, o0 >= 0);
+            cp16(ab + xd0 + 2 * v * LBO_A + 8 * 128, xrow1 + s * KS + 32 * v, o1 >= 0);
+          }
+          mbar_cp_arrive(full0 + 8 * slot);
         }
-        mbar_cp_arrive(full0 + 8 * slot);
-      }
-      issue_raw(s + RAW - 1);
-      const u8* raw = smem + (rbase - base) + (s % RAW) * RAW_BYTES;
-      u8* bsm = smem + (bbase - base) + slot * B_BYTES;
-      constexpr int TW = SKIP >= 2 ? 0 : 16 / (NP / 32);  // tiles a producer warp decodes
-      uint4 dr[TW > 0 ? TW : 1][2][2];  // [tile][chunk][row g / g + 8]: 16 E4M3 of the row's K chunk 4 c + j
+        issue_raw(s + RAW - 1);
+        const u8* raw = smem + (rbase - base) + (s % RAW) * RAW_BYTES;
+        u8* bsm = smem + (bbase - base) + slot * B_BYTES;
+        constexpr int TW = SKIP >= 2 ? 0 : 16 / (NP / 32);  // tiles a producer warp decodes
+        uint4 dr[TW > 0 ? TW : 1][2][2];  // [tile][chunk][row g / g + 8]: 16 E4M3 of the row's K chunk 4 c + j
 #pragma unroll
-      for (int tl = 0; tl < TW; ++tl) {
-        const int t = TW * pw + tl;
-        const uint4 c0 = *(const uint4*)(raw + t * 1024 + lane * 16);
-        const uint4 c1 = *(const uint4*)(raw + t * 1024 + 512 + lane * 16);
-        const u32 sw = *(const u32*)(raw + RC_BYTES + t * 256 + lane * 8 + (s & 1) * 4);
-        u32 tg[2][2], tg8[2][2];
-        e4m3_stage_tables<LUT>(lut, sw, wdec, tg, tg8);
+        for (int tl = 0; tl < TW; ++tl) {
+          const int t = TW * pw + tl;
+          const uint4 c0 = *(const uint4*)(raw + t * 1024 + lane * 16);
+          const uint4 c1 = *(const uint4*)(raw + t * 1024 + 512 + lane * 16);
+          const u32 sw = *(const u32*)(raw + RC_BYTES + t * 256 + lane * 8 + (s & 1) * 4);
+          u32 tg[2][2], tg8[2][2];
+          e4m3_stage_tables<LUT>(lut, sw, wdec, tg, tg8);
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const uint4 w = c ? c1 : c0;
-          uint4& r = dr[tl][c][0];
-          uint4& r8 = dr[tl][c][1];
-          nvfp4_e4m3(w.x, tg[c], tg8[c], r.x, r8.x);
-          nvfp4_e4m3(w.y, tg[c], tg8[c], r.y, r8.y);
-          nvfp4_e4m3(w.z, tg[c], tg8[c], r.z, r8.z);
-          nvfp4_e4m3(w.w, tg[c], tg8[c], r.w, r8.w);
+          for (int c = 0; c < 2; ++c) {
+            const uint4 w = c ? c1 : c0;
+            uint4& r = dr[tl][c][0];
+            uint4& r8 = dr[tl][c][1];
+            nvfp4_e4m3(w.x, tg[c], tg8[c], r.x, r8.x);
+            nvfp4_e4m3(w.y, tg[c], tg8[c], r.y, r8.y);
+            nvfp4_e4m3(w.z, tg[c], tg8[c], r.z, r8.z);
+            nvfp4_e4m3(w.w, tg[c], tg8[c], r.w, r8.w);
+          }
         }
-      }
 #pragma unroll
-      for (int tl = 0; tl < TW; ++tl) {
-        const int t = TW * pw + tl, up = t >= 8, tt = t & 7;
-        // rows g, g + 8 of the tile -> MMA columns n, n + 16 (FC1: gate / up interleaved) or n, n + 8 (FC2)
-        const int n = FC2 ? 16 * t + g : 32 * tt + 8 * up + g;
+        for (int tl = 0; tl < TW; ++tl) {
+          const int t = TW * pw + tl, up = t >= 8, tt = t & 7;
+          // rows g, g + 8 of the tile -> MMA columns n, n + 16 (FC1: gate / up interleaved) or n, n + 8 (FC2)
+          const int n = FC2 ? 16 * t + g : 32 * tt + 8 * up + g;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int kc = 4 * c + j;  // 16 K of the stage: 64 c + 16 j ..
-          uint4* d = (uint4*)(bsm + kc * LBO_B + (n / 8) * 128 + (n % 8) * 16);
-          d[0] = dr[tl][c][0];
-          d[FC2 ? 8 : 16] = dr[tl][c][1];  // MMA column n + 8 / n + 16: one / two core matrices on
+          for (int c = 0; c < 2; ++c) {
+            const int kc = 4 * c + j;  // 16 K of the stage: 64 c + 16 j ..
+            uint4* d = (uint4*)(bsm + kc * LBO_B + (n / 8) * 128 + (n % 8) * 16);
+            d[0] = dr[tl][c][0];
+            d[FC2 ? 8 : 16] = dr[tl][c][1];  // MMA column n + 8 / n + 16: one / two core matrices on
+          }
         }
+        fence_async_smem();  // the decoded B (generic writes) visible to the consumers' wgmma (async proxy)
+        mbar_arrive(full0 + 8 * slot);
       }
-      fence_async_smem();  // the decoded B (generic writes) visible to the consumers' wgmma (async proxy)
-      mbar_arrive(full0 + 8 * slot);
     }
     cp_wait<0>();
     return;
@@ -261,58 +261,77 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
 
   // ---- consumer warpgroups 0, 1: tokens 64 cw .. 64 cw + 63 of the tile
   const int cw = warp >> 2;
-  float acc[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-  for (int s = 0; s < nst; ++s) {
-    const int slot = s % STAGES;
-    mbar_wait(full0 + 8 * slot, (s / STAGES) & 1);
-    fence_async_smem();  // the tokens' cp.async writes, seen through the barrier, visible to wgmma
-    wg_fence();
-    const u32 ab = abase + slot * A_BYTES + cw * 1024, bb = bbase + slot * B_BYTES;
-#pragma unroll
-    for (int t = 0; t < (SKIP & 1 ? 0 : 4); ++t)
-      wgmma8_ss_n256(acc, smem_desc(ab + 2 * t * LBO_A, LBO_A, 128), smem_desc(bb + 2 * t * LBO_B, LBO_B, 128));
-    wg_commit();
-    wg_wait_acc<1>(acc);  // stage s - 1's MMAs are done: release its buffers
-    if (s > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((s - 1) % STAGES));
-  }
-  wg_wait_acc<0>(acc);
-
   const int r = 16 * (warp & 3) + g;  // the lane's token rows r, r + 8 of its warpgroup's 64
-  if (FC2) {  // accumulator 4 q + 2 h + u: token row r + 8 h, output row 8 q + 2 j + u of the CTA's 256
-    const long h0 = (long)rb * 256;
-    const float* fr = rrow + (long)expert * H + h0;
-#pragma unroll
-    for (int q = 0; q < 32; ++q) {
-      const int c = 8 * q + 2 * j;
-      const float f0 = fr[c], f1 = fr[c + 1];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tk = 64 * cw + r + 8 * h;
-        if (tk < count) {
-          const float cs = csc[tk];
-          *(u32*)(out + yrow[tk] * H + h0 + c) =
-              (u32)bf16_bits(acc[4 * q + 2 * h] * f0 * cs) | ((u32)bf16_bits(acc[4 * q + 2 * h + 1] * f1 * cs) << 16);
-        }
-      }
-    }
-    return;
-  }
-  const long col0 = (long)rb * 128;
-  const float* fr = rrow + (long)expert * 2 * I;
-#pragma unroll
-  for (int m = 0; m < 16; ++m) {
-    const int c = 8 * m + 2 * j;
-    const float fg0 = fr[col0 + c], fg1 = fr[col0 + c + 1], fu0 = fr[I + col0 + c], fu1 = fr[I + col0 + c + 1];
+  int gs = 0;  // stages consumed, over all items
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int rb = item / ntiles;
+    int expert, p0, count;
+    if (!find_tile(offs, E, item % ntiles, expert, p0, count)) continue;
+    // the rows' scales (x 2^wexp; FC2: x the routing weight) and FC2's y rows, loaded under the MMAs
+    float csc[2] = {0.f, 0.f};
+    int yrow[2] = {0, 0};  // (T slots < 2^31)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tk = 64 * cw + r + 8 * h;
       if (tk < count) {
-        const float cs = csc[tk];
-        const float v0 = silu_mul_bf16(acc[8 * m + 2 * h] * fg0 * cs, acc[8 * m + 4 + 2 * h] * fu0 * cs);
-        const float v1 = silu_mul_bf16(acc[8 * m + 2 * h + 1] * fg1 * cs, acc[8 * m + 4 + 2 * h + 1] * fu1 * cs);
-        *(u32*)(out + (long)(p0 + tk) * I + col0 + c) = (u32)bf16_bits(v0) | ((u32)bf16_bits(v1) << 16);
+        const int pair = order[p0 + tk], tok = pair / topk;
+        csc[h] = FC2 ? xs[p0 + tk] * up2 * wts[pair] : xs[tok] * up2;
+        yrow[h] = tok * slots + pair % topk;
+      }
+    }
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    for (int s = 0; s < nst; ++s, ++gs) {
+      const int slot = gs % STAGES;
+      mbar_wait(full0 + 8 * slot, (gs / STAGES) & 1);
+      fence_async_smem();  // the tokens' cp.async writes, seen through the barrier, visible to wgmma
+      wg_fence();
+      const u32 ab = abase + slot * A_BYTES + cw * 1024, bb = bbase + slot * B_BYTES;
+#pragma unroll
+      for (int t = 0; t < (SKIP & 1 ? 0 : 4); ++t)
+        wgmma8_ss_n256(acc, smem_desc(ab + 2 * t * LBO_A, LBO_A, 128), smem_desc(bb + 2 * t * LBO_B, LBO_B, 128));
+      wg_commit();
+      wg_wait_acc<1>(acc);  // stage s - 1's MMAs are done: release its buffers
+      if (s > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((gs - 1) % STAGES));
+    }
+    wg_wait_acc<0>(acc);
+    if (lane == 0) mbar_arrive(empty0 + 8 * ((gs - 1) % STAGES));  // the item's last stage
+
+    if (FC2) {  // accumulator 4 q + 2 h + u: token row r + 8 h, output row 8 q + 2 j + u of the CTA's 256
+      const long h0 = (long)rb * 256;
+      const float* fr = rrow + (long)expert * H + h0;
+#pragma unroll
+      for (int q = 0; q < 32; ++q) {
+        const int c = 8 * q + 2 * j;
+        const float f0 = fr[c], f1 = fr[c + 1];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tk = 64 * cw + r + 8 * h;
+          if (tk < count) {
+            const float cs = csc[h];
+            *(u32*)(out + (long long)yrow[h] * H + h0 + c) =
+                (u32)bf16_bits(acc[4 * q + 2 * h] * f0 * cs) | ((u32)bf16_bits(acc[4 * q + 2 * h + 1] * f1 * cs) << 16);
+          }
+        }
+      }
+      continue;
+    }
+    const long col0 = (long)rb * 128;
+    const float* fr = rrow + (long)expert * 2 * I;
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const int c = 8 * m + 2 * j;
+      const float fg0 = fr[col0 + c], fg1 = fr[col0 + c + 1], fu0 = fr[I + col0 + c], fu1 = fr[I + col0 + c + 1];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tk = 64 * cw + r + 8 * h;
+        if (tk < count) {
+          const float cs = csc[h];
+          const float v0 = silu_mul_bf16(acc[8 * m + 2 * h] * fg0 * cs, acc[8 * m + 4 + 2 * h] * fu0 * cs);
+          const float v1 = silu_mul_bf16(acc[8 * m + 2 * h + 1] * fg1 * cs, acc[8 * m + 4 + 2 * h + 1] * fu1 * cs);
+          *(u32*)(out + (long)(p0 + tk) * I + col0 + c) = (u32)bf16_bits(v0) | ((u32)bf16_bits(v1) << 16);
+        }
       }
     }
   }
@@ -320,17 +339,17 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, const u8* rcode, const u8* rscale,
-           const float* rrow, u16* act, const u8* xt, int H, int I, int E, int topk, int wexp, void* scratch0,
-           void* scratch1) {
-  ws_gemm<0>(xq, xs, order, nullptr, offs, rcode, rscale, rrow, act, xt, H, I, E, topk, 0, wexp);
+           const float* rrow, u16* act, const u8* xt, int H, int I, int E, int topk, int wexp, int ntiles,
+           void* scratch0, void* scratch1) {
+  ws_gemm<0>(xq, xs, order, nullptr, offs, rcode, rscale, rrow, act, xt, H, I, E, topk, 0, wexp, ntiles);
 }
 
 // act8 / as: FC2's E4M3 act rows in sorted-pair order and their scales; y [T, slots, H] bf16 (slot = the pair's).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_ws_fc2(const u8* act8, const float* as, const int* order, const float* wts, const int* offs, const u8* rcode,
            const u8* rscale, const float* rrow, u16* y, const u8* xt, int H, int I, int E, int topk, int slots,
-           int wexp, void* scratch0, void* scratch1) {
-  ws_gemm<1>(act8, as, order, wts, offs, rcode, rscale, rrow, y, xt, H, I, E, topk, slots, wexp);
+           int wexp, int ntiles, void* scratch0, void* scratch1) {
+  ws_gemm<1>(act8, as, order, wts, offs, rcode, rscale, rrow, y, xt, H, I, E, topk, slots, wexp, ntiles);
 }
 
 // The tokens' tile image that TBULK's copies read: tile r's stage s, 16 KiB, holds K chunk kc (16 bytes, K s KS +
@@ -343,7 +362,7 @@ moe_ws_image(const u8* xq, const int* order, const int* offs, u8* xt, int H, int
              void* scratch1) {
   __shared__ long long src[BT];
   int expert, p0, count;
-  if (!find_tile(offs, E, expert, p0, count)) count = 0;
+  if (!find_tile(offs, E, blockIdx.x, expert, p0, count)) count = 0;
   const int nst = H / KS;
   for (int n = threadIdx.x; n < BT; n += 256) src[n] = n < count ? (long long)(order[p0 + n] / topk) * H : -1;
   __syncthreads();
