@@ -1,29 +1,29 @@
-"""MegaMoE prefill FC1, warp-specialized (``cuda/moe_prefill_ws.cu``): an sm_90a prototype of the next prefill design.
+"""MegaMoE prefill FC1 and FC2, warp-specialized (``cuda/moe_prefill_ws.cu``), for sm_90a: the fp8 prefill's routed FC1.
 
 Why: the register-A wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`, fp8 build) is latency-bound at
 ~4,000 cycles a 128-K stage against ~1,000 of E4M3 MMA (RESULTS.md, sessions 17 and 19): every warp decodes its
 own A fragments between its MMAs (~245 instructions a warp a stage), so decode and MMA take turns on the same warps.
 Here a producer warpgroup decodes each CTA's NVFP4 weight tile into E4M3 in shared memory (wgmma's B) and copies the
-tokens (wgmma's A), and two consumer warpgroups only issue ``wgmma.m64n256k32`` from shared memory, synchronized by
-full / empty mbarriers a stage. Decode work a FLOP is the same (one decode a 128-token tile), but it runs beside
-the MMAs instead of between them.
+A rows (tokens for FC1, act for FC2), and two consumer warpgroups only issue ``wgmma.m64n256k32`` from shared memory,
+synchronized by full / empty mbarriers a stage. Decode work a FLOP is the same (one decode a 128-row tile), but it
+runs beside the MMAs instead of between them.
 
-H200, m3.1-small (RESULTS.md, session 19): T = 4096 2.27 ms vs 2.45 for the register-A fp8 FC1's routed tiles in
-the same run (T = 16384: 9.02 vs 9.25): 1.03-1.08x, not the ~2x hoped for. The producer is the limit: with the
-consumers' MMAs removed it alone takes ~2.3 ms, while the consumers with the decode removed take 1.76 ms (700 TFLOP/s).
-One producer warpgroup is all the registers allow (512 threads cap them at 128; the m64n256 consumers need >= 154).
-Session 20: the producer's copies and barriers alone take 1.61 of the 2.27 ms (latency-bound: deeper rings are
-faster, 4 stages do not fit); its tables from a shared lookup table (:data:`LUT`) 2.16 ms vs 2.27 for the register-A
-FC1 with the same lookup. Session 27: the tokens by one bulk copy a stage from a tile image (:data:`TBULK`)
-1.95 ms vs 2.06-2.18 with cp.async (T = 16384: 7.26 vs 8.22); the raw codes by bulk copies measured slower
-(2.44 ms) and were dropped. Not wired into ``megamoe``.
+Measured on the H200 at m3.1-small (RESULTS.md, sessions 19, 20, 27), routed FC1 at T = 4096:
+- session 19: 2.27 ms vs 2.45 for the register-A FC1. The producer is the limit; one producer warpgroup is all the
+  registers allow (512 threads cap them at 128; the m64n256 consumers need >= 154).
+- session 20: its tables from a shared lookup table (:data:`LUT`) 2.16 ms.
+- session 27: the A rows by one bulk copy a stage from a tile image (:data:`TBULK`, :func:`token_image`) 1.95 ms
+  vs 2.06-2.18 (T = 16384: 7.26 vs 8.22). The whole fp8 prefill now runs this FC1
+  (``moe_prefill_cuda.WS_FC1``): 4.68 -> 4.48 ms. This FC2 (12 stages of K a CTA) measured 1.50 ms vs 1.44 for
+  the register-A FC2's routed tiles and is off (``moe_prefill_cuda.WS_FC2``); a CTA an SM looping over the work
+  items (:data:`PERSIST`) changed neither by more than the noise.
 
-Routed experts only (the shared expert stays in the register-A kernels); tokens in E4M3 with one float32 scale a
-row in natural K order (``moe_pf_quant`` with ``permute=0``), with TBULK also as :func:`token_image`'s tiles (made
-by torch ops here: 1.3 ms at T = 4096, a gather a kernel would do in ~0.06); ``act`` in natural column order. Weights: moe_cuda's
-prepacked NVFP4 copy (:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`), whose lane (g, j) holds rows g, g + 8
-at K 16 j .. 16 j + 15 of each 64-K chunk — one 16-byte E4M3 row chunk each, written where B's K-major core
-matrices want them.
+Routed experts only (the shared expert stays in the register-A kernels). FC1: tokens in E4M3 with one float32 scale
+a row in natural K order (``moe_pf_quant`` with ``permute=0``), and with TBULK as their tile image; act out in
+natural column order. FC2: act in E4M3 with row scales (sorted-pair rows, natural K order) and its tile image; y
+[T, slots, H] out. Weights: moe_cuda's prepacked NVFP4 copy (:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`),
+whose lane (g, j) holds rows g, g + 8 at K 16 j .. 16 j + 15 of each 64-K chunk — one 16-byte E4M3 row chunk each,
+written where B's K-major core matrices want them.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-// MegaMoE prefill FC1 for sm_90a, warp-specialized (routed NVFP4 experts, E4M3 tokens): the weights are wgmma's B
-// and the tokens its A, both from shared memory, so one decode of a CTA's weight tile serves all of its tokens and
-// the MMA warps only issue MMAs. Host side and layouts: m3c/backends/kernels/moe_prefill_ws.py.
+// MegaMoE prefill FC1 and FC2 for sm_90a, warp-specialized (routed NVFP4 experts, E4M3 tokens / act): the weights
+// are wgmma's B and the tokens (act) its A, both from shared memory, so one decode of a weight tile serves all of its
+// tile's rows and the MMA warps only issue MMAs. Host side and layouts: m3c/backends/kernels/moe_prefill_ws.py.
 //
-// A CTA = 128 sorted token rows of one expert (two consumer warpgroups of 64, wgmma m64n256k32 E4M3 x E4M3, 128
-// float32 accumulators a thread) x 256 weight rows (the 128 gate and 128 up rows of 128 intermediate columns) plus
-// one producer warpgroup. Per stage of 128 K the producer copies the tokens into the stage's A buffer
-// (cp.async, completion tracked by the stage's `full` mbarrier), and decodes the weights' NVFP4 codes (each warp
-// copies the codes and scales of its own 4 tiles through a RAW-deep cp.async ring) x their E4M3 scales x 2^-wexp
-// into E4M3 (the product tables of wgmma_common.cuh) in registers, then stores them to the B buffer; consumers
-// wait on `full`, issue 4 MMAs, and release the stage on `empty` when they are done.
-// B's N order interleaves gate and up: MMA column 16 m + r holds gate column 8 m + r, 16 m + 8 + r its up column
+// A work item = 128 sorted pair rows of one expert (two consumer warpgroups of 64, wgmma m64n256k32 E4M3 x E4M3, 128
+// float32 accumulators a thread) x 256 weight rows (FC1: the 128 gate and 128 up rows of 128 intermediate columns;
+// FC2: 256 output rows), with one producer warpgroup. Per stage of 128 K the producer brings the A rows into the
+// stage's A buffer (TBULK: one bulk copy from their tile image; else cp.async; either completes on the stage's `full`
+// mbarrier), and decodes the weights' NVFP4 codes (each warp copies the codes and scales of its own 4 tiles through
+// a RAW-deep cp.async ring) x their E4M3 scales x 2^-wexp into E4M3 (the product tables of wgmma_common.cuh) in
+// registers, then stores them to the B buffer; consumers wait on `full`, issue 4 MMAs, and release the stage on
+// `empty` when they are done. A CTA runs one item or (persistent grid) several; the ring runs on across items.
+// FC1's B N order interleaves gate and up: MMA column 16 m + r holds gate column 8 m + r, 16 m + 8 + r its up column
 // (r < 8), so a consumer lane holds the gate and up values of each of its columns (SiLU·up in registers).
 #ifndef STAGES
 #define STAGES 3  // A / B buffers (48 KiB each)
