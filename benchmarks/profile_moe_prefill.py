@@ -3,7 +3,7 @@
 Also the target to run under ``ncu -k regex:moe_pf_fc1 --launch-count 1`` (``--once``: one call of the wgmma path,
 no profiler; ``--precision`` picks its routed tiles).
 
-Usage (H200): PYTHONPATH=. python benchmarks/profile_moe_prefill.py [--tokens 4096] [--once]
+Usage (H200): PYTHONPATH=. python benchmarks/profile_moe_prefill.py [--tokens 4096] [--once] [--ws 0 1 2 3]
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--once", action="store_true", help="one warm call of the wgmma path (for ncu), nothing else")
     ap.add_argument("--precision", default="bf16", choices=pc.PRECISIONS, help="the wgmma routed tiles' (--once)")
+    ap.add_argument("--ws", type=int, nargs="*", default=[], metavar="WS",
+                    help="instead: the fp8 path's kernels at each WS = 1 * pc.WS_FC1 + 2 * pc.WS_FC2")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
@@ -37,6 +39,12 @@ def main() -> None:
         torch.cuda.synchronize()
         pc.moe_prefill_wgmma(*a, precision=args.precision)
         torch.cuda.synchronize()
+        return
+    if args.ws:
+        for ws in args.ws:
+            pc.WS_FC1, pc.WS_FC2 = bool(ws & 1), bool(ws & 2)
+            kt = kernel_times(lambda: pc.moe_prefill_wgmma(*a, precision="fp8"), calls=5)
+            print(f"T={t} WS={ws} total {sum(kt.values()):.1f} us: " + ", ".join(f"{k[:24]} {v:.1f}" for k, v in kt.items()))
         return
     fc1_flop = 2 * t * K * H * 2 * I + 2 * t * H * 2 * S
     fc2_flop = 2 * t * K * I * H + 2 * t * S * H
