@@ -160,7 +160,7 @@ def main() -> None:
             print(t, name, variants[name], flush=True)
         builds = [tuple(int(v) for v in b.split(",")) for b in args.wgmma_builds] if args.wgmma_builds else \
             WGMMA_VARIANTS
-        # INFLIGHT 1, PROMOTE 0, CTAS 1, XPAD 0, LUT and WS as shipped (pc.LUT, pc.WS_FC1)
+        # INFLIGHT 1, PROMOTE 0, CTAS 1, XPAD 0, LUT and WS as shipped (pc.LUT; pc.WS_FC1, pc.WS_FC2, ws.PERSIST)
         builds = [(*b, *(1, 0, 1, 0, int(DEFAULT_LUT), int(DEFAULT_WS))[len(b) - 3:]) for b in builds]
         firsts: dict[str, torch.Tensor] = {}  # each precision's first build's output (are the others bitwise equal?)
         for bt, wgs, stages, inflight, promote, ctas, xpad, lut, wsb, prec in [] if args.no_wgmma else [

@@ -39,7 +39,7 @@ from m3c.errors import ConfigError, ShapeError
 SOURCE = "moe_prefill_ws.cu"
 STAGES = 3  # A / B buffers (48 KiB each)
 RAW = 3  # raw code / scale buffers (20 KiB each)
-BT = 128  # sorted token rows a CTA
+BT = 128  # sorted pair rows a work item (a tile of one expert's pairs: FC1's tokens, FC2's act rows)
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
 IMAGE_SPLIT = 8  # CTAs a tile in token_image (each writes every IMAGE_SPLIT-th stage)
@@ -58,7 +58,7 @@ def smem_bytes(stages: int, raw: int, tbulk: bool = False) -> int:
 
 def fc1_spec() -> CudaKernelSpec:
     """The FC1 kernel's spec at the current :data:`STAGES` / :data:`RAW`."""
-    # (the static arrays: 1.6 KiB, and the lookup table's 2 KiB)
+    # (the static arrays: the barriers' 48 bytes, and the lookup table's 2 KiB)
     if (not 2 <= STAGES <= 4 or not 2 <= RAW <= 4
             or smem_bytes(STAGES, RAW, TBULK) > 227 * 1024 - 2048 - 2048 * LUT):
         raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
@@ -90,7 +90,8 @@ def _sms(device: torch.device) -> int:
 
 
 def max_tiles(pairs: int, experts: int) -> int:
-    """The FC1 grid's tiles of BT sorted pairs: at most one partial tile an expert beyond ceil(pairs / BT)."""
+    """The bound on tiles of BT sorted pairs that FC1, FC2 and the tile image take: at most one partial tile an
+    expert beyond ceil(pairs / BT)."""
     return min(-(-pairs // BT) + experts, pairs)
 
 

@@ -352,6 +352,7 @@ def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew:
     monkeypatch.setattr(pc, "WGS", wgs)
     monkeypatch.setattr(pc, "INFLIGHT", inflight)
     monkeypatch.setattr(pc, "PROMOTE", promote)
+    monkeypatch.setattr(pc, "WS_FC1", False)  # (the register-A routed FC1 these builds vary; WS_FC1: its own test)
     sfmt = "mxfp8" if s else None
     x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", sfmt, rng, skew=skew, empty=empty)
     args = [_to(v, "cuda") for v in (x.bfloat16().float(), ids, wts, w13, w2, sh13, sh2)]
@@ -404,6 +405,10 @@ def test_fp8_with_the_warp_specialized_kernels_gpu(t: int, h: int, inter: int, e
     assert float((out.double() - plain.double()).norm() / plain.double().norm()) < 2e-2
     monkeypatch.setattr(pc, "WS_FC1", fc1)
     monkeypatch.setattr(pc, "WS_FC2", fc2)
+    if persist:  # which CTA runs a work item changes nothing: bitwise the plain grid's output
+        monkeypatch.setattr(moe_prefill_ws, "PERSIST", False)
+        assert torch.equal(pc.moe_prefill_wgmma(xb, *args[1:], precision="fp8"), out)
+        monkeypatch.setattr(moe_prefill_ws, "PERSIST", True)
     xg = xb.clone()
     graph, got = torch.cuda.CUDAGraph(), torch.empty_like(out)
     with torch.cuda.graph(graph):
@@ -421,6 +426,7 @@ def test_fp8_lut_build_equals_the_default_build_gpu(t: int, h: int, inter: int, 
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """LUT (the E4M3 product tables looked up by scale byte from a shared table built once a CTA) makes the same
     tables as the loop's own e4m3_tables: the whole op's output is bitwise the default build's (NaN-poisoned)."""
+    monkeypatch.setattr(pc, "WS_FC1", False)  # (LUT is the register-A kernels' knob: its routed FC1 too)
     x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng, skew=skew, empty=empty)
     args = [_to(v, "cuda") for v in (x.bfloat16(), ids, wts, w13, w2, sh13, sh2)]
     outs = []

@@ -1,6 +1,8 @@
-"""The warp-specialized FC1 prototype (``moe_prefill_ws``): its build (offline, sm_90a: SS wgmma m64n256k32 E4M3,
-mbarriers, no spills), its argument checks, and on a GPU its act against a float64 model of its own rounding
-(E4M3 weights x scale x 2^-wexp, E4M3 token rows, bf16 gate / up / SiLU / product) from NaN-poisoned outputs."""
+"""The warp-specialized FC1 / FC2 (``moe_prefill_ws``; FC1 runs the fp8 prefill's routed tiles): their builds
+(offline, sm_90a: SS wgmma m64n256k32 E4M3, mbarriers, bulk copies, spills per kernel), argument checks and grids,
+the tokens' tile image, and on a GPU FC1's act against a float64 model of its own rounding (E4M3 weights x scale x
+2^-wexp, E4M3 token rows, bf16 gate / up / SiLU / product) from NaN-poisoned outputs. FC2 is checked end to end in
+test_moe_prefill_cuda.py."""
 
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def _set_build(monkeypatch: pytest.MonkeyPatch, build: tuple[int, ...]) -> None:
         monkeypatch.setattr(ws, k, v if k in ("STAGES", "RAW") else bool(v))
 
 
-@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("build", [b for b in BUILDS if not b[4]])  # (PERSIST changes the grid, not the code)
 def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(build: tuple[int, ...],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     _set_build(monkeypatch, build)
@@ -67,8 +69,8 @@ def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(build: tuple[int, ...],
 
 
 def test_fc2_builds_for_sm90a_and_checks_its_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FC2: the same SS wgmma loop with its A rows by one bulk copy a stage, no spills; bad shapes and dtypes named;
-    the grid a tile of 128 sorted pairs x 256 output rows."""
+    """FC2: the same SS wgmma loop with its A rows by one bulk copy a stage (its spills: the build test); bad shapes
+    and dtypes named; the grid a tile of 128 sorted pairs x 256 output rows, or at most a CTA an SM with PERSIST."""
     spec = ws.fc2_spec()
     assert spec.kernel == "moe_ws_fc2" and ("TBULK", 1) in spec.defines
     sass = _function_sass(spec)
@@ -203,8 +205,8 @@ def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, 
                                             build: tuple[int, ...], rng: torch.Generator,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Partial tiles (a skewed expert, empty experts), every sorted pair's row written (NaN-poisoned act), within
-    the E4M3 accumulator's loss of the float64 model; deterministic; the LUT and bulk-copy knobs bitwise the
-    plain build (they change where bytes come from, not the arithmetic)."""
+    the E4M3 accumulator's loss of the float64 model; deterministic; the LUT, bulk-copy and PERSIST knobs bitwise
+    the plain build (they change where bytes come from and which CTA runs an item, not the arithmetic)."""
     _set_build(monkeypatch, build)
     x, ids, _, w13, _, _, _ = _problem(t, h, inter, e, k, 0, "nvfp4", None, rng, skew=skew, empty=empty)
     x, ids, w13 = _to(x, "cuda"), _to(ids, "cuda"), _to(w13, "cuda")
@@ -221,7 +223,7 @@ def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, 
     model = _act_model(x, ids, order, w13)
     rel = float((act.double() - model).norm() / model.norm())
     assert rel < 3e-2, rel
-    again = torch.empty_like(act)
+    again = torch.full_like(act, float("nan"))
     ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13), xt=xt)
     assert torch.equal(again, act), "not deterministic"
     if any(build[2:]):  # bitwise the build without LUT, bulk copies and persistence, at the same stages

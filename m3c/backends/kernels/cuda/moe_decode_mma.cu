@@ -12,8 +12,8 @@
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
 // weights, with EARLY also loading its first super-chunk, though ptxas keeps those loads before the wait only in the
-// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and nothing the
-// previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
+// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and
+// nothing the previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
 #ifndef WARPS
 #define WARPS 4
 #endif

@@ -556,8 +556,9 @@ moe_pf_fc2(const u8* act, const u16* sact, const float* as, const int* order, co
 
 // Rows of bf16 [R, K] -> E4M3 [R, K] with one float32 scale a row (q = rn(v * 448 / amax), v ~= q * amax / 448; a
 // row with amax <= 2^-100, all-zero included: zeros, scale 0), the columns taken in fp8_pos order when `permute`
-// (the tokens for FC1's routed tiles; FC1 writes act already in that order). One CTA (256 threads) a row; 16 outputs
-// a thread and pass, K % 64 == 0.
+// (the tokens for FC1's routed tiles; act where moe_prefill_ws wrote it in natural order for this FC2, or this FC1 wrote
+// it for moe_prefill_ws's FC2: fp8_pos is its own inverse). One CTA (256 threads) a row; 16 outputs a thread and
+// pass, K % 64 == 0.
 extern "C" __global__ void __launch_bounds__(256)
 moe_pf_quant(const u16* src, u8* dst, float* scale, int K, int permute, void* scratch0, void* scratch1) {
   __shared__ float red[8];

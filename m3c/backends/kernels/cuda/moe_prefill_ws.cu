@@ -260,7 +260,7 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     return;
   }
 
-  // ---- consumer warpgroups 0, 1: tokens 64 cw .. 64 cw + 63 of the tile
+  // ---- consumer warpgroups 0, 1: rows 64 cw .. 64 cw + 63 of the tile (FC1: tokens, FC2: act rows)
   const int cw = warp >> 2;
   const int r = 16 * (warp & 3) + g;  // the lane's token rows r, r + 8 of its warpgroup's 64
   int gs = 0;  // stages consumed, over all items
@@ -286,7 +286,7 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     for (int s = 0; s < nst; ++s, ++gs) {
       const int slot = gs % STAGES;
       mbar_wait(full0 + 8 * slot, (gs / STAGES) & 1);
-      fence_async_smem();  // the tokens' cp.async writes, seen through the barrier, visible to wgmma
+      fence_async_smem();  // the A rows' cp.async writes (without TBULK), seen through the barrier, visible to wgmma
       wg_fence();
       const u32 ab = abase + slot * A_BYTES + cw * 1024, bb = bbase + slot * B_BYTES;
 #pragma unroll
