@@ -56,21 +56,35 @@ def smem_bytes(stages: int, raw: int, tbulk: bool = False) -> int:
     return stages * 8 * ((BT * 16 + (0 if tbulk else 64)) + (2 * COLS * 16 + 32)) + raw * (16 * 1024 + 16 * 256)
 
 
+_ARGS = {"moe_ws_fc1": "*xq *xs *order *offs *rcode *rscale *rrow *act *xt H I E topk wexp ntiles",
+         "moe_ws_fc2": "*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt H I E topk slots wexp ntiles"}
+
+
 def fc1_spec() -> CudaKernelSpec:
     """The FC1 kernel's spec at the current :data:`STAGES` / :data:`RAW`."""
+    return _gemm_spec("moe_ws_fc1", TBULK)
+
+
+def fc2_spec() -> CudaKernelSpec:
+    """The FC2 kernel's spec (always :data:`TBULK`: its A rows come from the act's tile image)."""
+    return _gemm_spec("moe_ws_fc2", True)
+
+
+def _gemm_spec(kernel: str, tbulk: bool) -> CudaKernelSpec:
+    """FC1's or FC2's spec at the current build knobs, checked."""
     # (the static arrays: the barriers' 48 bytes, and the lookup table's 2 KiB)
     if (not 2 <= STAGES <= 4 or not 2 <= RAW <= 4
-            or smem_bytes(STAGES, RAW, TBULK) > 227 * 1024 - 2048 - 2048 * LUT):
+            or smem_bytes(STAGES, RAW, tbulk) > 227 * 1024 - 2048 - 2048 * LUT):
         raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
-    return _spec(STAGES, RAW, SKIP, LUT, TBULK)
+    return _spec(kernel, STAGES, RAW, SKIP, LUT, tbulk)
 
 
 @functools.cache
-def _spec(stages: int, raw: int, skip: int, lut: bool = False, tbulk: bool = False) -> CudaKernelSpec:
-    types = arg_types("*xq *xs *order *offs *rcode *rscale *rrow *act *xt H I E topk wexp ntiles")
+def _spec(kernel: str, stages: int, raw: int, skip: int, lut: bool, tbulk: bool) -> CudaKernelSpec:
     flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),) * tbulk
     d = (("STAGES", stages), ("RAW", raw), *flags)
-    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc1", types, d, 12, smem_bytes(stages, raw, tbulk))
+    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, kernel, arg_types(_ARGS[kernel]), d, 12,
+                          smem_bytes(stages, raw, tbulk))
 
 
 def supports(hidden: int, inter: int) -> bool:
@@ -95,18 +109,18 @@ def max_tiles(pairs: int, experts: int) -> int:
     return min(-(-pairs // BT) + experts, pairs)
 
 
-def fc2_spec() -> CudaKernelSpec:
-    """The FC2 kernel's spec (always :data:`TBULK`: its A rows come from the act's tile image)."""
-    fc1_spec()  # (the same checks)
-    return _fc2_spec(STAGES, RAW, SKIP, LUT)
+def image_shape(pairs: int, experts: int, k: int) -> tuple[int, int]:
+    """:func:`token_image`'s shape for rows of K bytes: a BT x KS-byte A buffer image a tile and 128-K stage."""
+    return max_tiles(pairs, experts), k // KS * BT * KS
 
 
-@functools.cache
-def _fc2_spec(stages: int, raw: int, skip: int, lut: bool) -> CudaKernelSpec:
-    types = arg_types("*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt H I E topk slots wexp ntiles")
-    flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),)
-    d = (("STAGES", stages), ("RAW", raw), *flags)
-    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_fc2", types, d, 12, smem_bytes(stages, raw, True))
+def _check_tensors(where: str, device: torch.device, tensors: tuple[tuple[str, torch.Tensor, torch.dtype], ...]
+                   ) -> None:
+    """Each (name, tensor, dtype): that dtype, contiguous, on ``device``; else a ShapeError naming it."""
+    for name, v, dt in tensors:
+        if v.dtype != dt or not v.is_contiguous() or v.device != device:
+            raise ShapeError(f"{where}: {name} must be a contiguous {dt} tensor on {device}, got {v.dtype} on "
+                             f"{v.device}")
 
 
 @functools.cache
@@ -128,7 +142,7 @@ def token_image(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, top_k
     if xq.dim() != 2 or h % KS or xq.dtype != torch.uint8 or order.dtype != torch.int32 or offs.dtype != torch.int32:
         raise ShapeError(f"moe_prefill_ws.token_image: xq must be uint8 [T, H] with H a multiple of {KS}, order and "
                          f"offs int32; got xq {xq.dtype} {tuple(xq.shape)}, order {order.dtype}, offs {offs.dtype}")
-    shape = (max_tiles(p, e), h // KS * BT * KS)
+    shape = image_shape(p, e, h)
     img = torch.empty(shape, dtype=torch.uint8, device=xq.device) if out is None else out
     if img.shape != shape or img.dtype != torch.uint8 or not img.is_contiguous() or img.device != xq.device:
         raise ShapeError(f"moe_prefill_ws.token_image: out must be a contiguous uint8 {list(shape)} tensor on "
@@ -155,18 +169,16 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
     if p != t * top_k or xs.shape != (t,) or rrow.numel() != e * 2 * inter or order.shape != (p,):
         raise ShapeError(f"{where}, xs {tuple(xs.shape)}, order {tuple(order.shape)}, rrow {tuple(rrow.shape)}, "
                          f"top_k {top_k}: act must be [T * top_k, I], xs [T], order [T * top_k], rrow E x 2I")
-    for name, v, dt in (("xq", xq, torch.uint8), ("xs", xs, torch.float32), ("order", order, torch.int32),
-                        ("offs", offs, torch.int32), ("rrow", rrow, torch.float32), ("act", act, torch.bfloat16)):
-        if v.dtype != dt or not v.is_contiguous() or v.device != act.device:
-            raise ShapeError(f"moe_prefill_ws.fc1: {name} must be a contiguous {dt} tensor on {act.device}, got "
-                             f"{v.dtype} on {v.device}")
-    tiles = max_tiles(p, e)
-    if TBULK and (xt is None or xt.dtype != torch.uint8 or xt.shape != (tiles, h // KS * 16384)
+    _check_tensors("moe_prefill_ws.fc1", act.device, (
+        ("xq", xq, torch.uint8), ("xs", xs, torch.float32), ("order", order, torch.int32),
+        ("offs", offs, torch.int32), ("rrow", rrow, torch.float32), ("act", act, torch.bfloat16)))
+    shape = image_shape(p, e, h)
+    tiles = shape[0]
+    if TBULK and (xt is None or xt.dtype != torch.uint8 or xt.shape != shape
                   or not xt.is_contiguous() or xt.device != act.device):
         got = None if xt is None else f"{xt.dtype} {tuple(xt.shape)} on {xt.device}"
         raise ShapeError(f"moe_prefill_ws.fc1: TBULK reads the tokens' tile image: xt must be a contiguous uint8 "
-                         f"[{tiles}, {h // KS * 16384}] tensor on {act.device} (token_image(xq, order, offs, top_k)),"
-                         f" got {got}")
+                         f"{list(shape)} tensor on {act.device} (token_image(xq, order, offs, top_k)), got {got}")
     if p == 0:
         return act
     runner(fc1_spec(), grid(tiles * (inter // COLS), act.device), [xq, xs, order, offs, rcode, rscale, rrow, act,
@@ -186,22 +198,21 @@ def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.T
     p, inter = act8.shape
     t, slots, h = y.shape
     e = offs.numel() - 1
-    tiles = max_tiles(p, e)
+    shape = image_shape(p, e, inter)
+    tiles = shape[0]
     where = f"moe_prefill_ws.fc2: act8 {tuple(act8.shape)}, y {tuple(y.shape)}"
     if h % 256 or inter % 256 or p != t * top_k or slots < top_k:
         raise ShapeError(f"{where}, top_k {top_k}: H and I must be multiples of 256, act8 [T * top_k, I], y [T, "
                          f">= top_k, H]")
     if a_s.shape != (p,) or wts.shape != (p,) or order.shape != (p,) or rrow.numel() != e * h \
-            or xt.shape != (tiles, inter // KS * 16384):
-        raise ShapeError(f"{where}: a_s, wts and order must be [{p}], rrow E x H, xt [{tiles}, {inter // KS * 16384}] "
+            or xt.shape != shape:
+        raise ShapeError(f"{where}: a_s, wts and order must be [{p}], rrow E x H, xt {list(shape)} "
                          f"(token_image); got {tuple(a_s.shape)}, {tuple(wts.shape)}, {tuple(order.shape)}, "
                          f"{tuple(rrow.shape)}, {tuple(xt.shape)}")
-    for name, v, dt in (("act8", act8, torch.uint8), ("a_s", a_s, torch.float32), ("order", order, torch.int32),
-                        ("wts", wts, torch.float32), ("offs", offs, torch.int32), ("rrow", rrow, torch.float32),
-                        ("y", y, torch.bfloat16), ("xt", xt, torch.uint8)):
-        if v.dtype != dt or not v.is_contiguous() or v.device != y.device:
-            raise ShapeError(f"moe_prefill_ws.fc2: {name} must be a contiguous {dt} tensor on {y.device}, got "
-                             f"{v.dtype} on {v.device}")
+    _check_tensors("moe_prefill_ws.fc2", y.device, (
+        ("act8", act8, torch.uint8), ("a_s", a_s, torch.float32), ("order", order, torch.int32),
+        ("wts", wts, torch.float32), ("offs", offs, torch.int32), ("rrow", rrow, torch.float32),
+        ("y", y, torch.bfloat16), ("xt", xt, torch.uint8)))
     if p:
         runner(fc2_spec(), grid(tiles * (h // 256), y.device), [act8, a_s, order, wts, offs, rcode, rscale, rrow, y,
                                                                  xt, h, inter, e, top_k, slots, wexp, tiles])
