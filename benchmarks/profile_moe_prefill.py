@@ -24,7 +24,8 @@ def main() -> None:
     ap.add_argument("--once", action="store_true", help="one warm call of the wgmma path (for ncu), nothing else")
     ap.add_argument("--precision", default="bf16", choices=pc.PRECISIONS, help="the wgmma routed tiles' (--once)")
     ap.add_argument("--ws", type=int, nargs="*", default=[], metavar="WS",
-                    help="instead: the fp8 path's kernels at each WS = 1 * pc.WS_FC1 + 2 * pc.WS_FC2")
+                    help="instead: the fp8 path's kernels at each WS = 1 * pc.WS_FC1 + 2 * pc.WS_FC2 + 8 * "
+                         "pc.WS_SHARED")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
@@ -42,7 +43,7 @@ def main() -> None:
         return
     if args.ws:
         for ws in args.ws:
-            pc.WS_FC1, pc.WS_FC2 = bool(ws & 1), bool(ws & 2)
+            pc.WS_FC1, pc.WS_FC2, pc.WS_SHARED = bool(ws & 1), bool(ws & 2), bool(ws & 8)
             kt = kernel_times(lambda: pc.moe_prefill_wgmma(*a, precision="fp8"), calls=5)
             print(f"T={t} WS={ws} total {sum(kt.values()):.1f} us: " + ", ".join(f"{k[:24]} {v:.1f}" for k, v in kt.items()))
         return

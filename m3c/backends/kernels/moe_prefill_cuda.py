@@ -49,9 +49,10 @@ warpgroups (``CTAS``) 5.6-5.8; padded token chunks (``XPAD`` 64, no bank conflic
 per-warp decode between MMAs is the limit (:mod:`m3c.backends.kernels.moe_prefill_ws` moves it to a producer).
 
 Since session 27 (:data:`WS_FC1`) the fp8 build's routed FC1 tiles run on that warp-specialized kernel instead (its
-tokens in natural K order and as a tile image, ``token_image``); this module's FC1 takes only the shared expert's
-tiles, in a second launch, and the quantizer puts act into the fp8 K order for FC2 (:data:`WS_FC2`, the same for
-FC2, measured slower and is off).
+tokens in natural K order and as a tile image, ``token_image``), and the quantizer puts act into the fp8 K order for
+FC2 (:data:`WS_FC2`, the same for FC2, measured slower and is off). Since session 28 (:data:`WS_SHARED`) the shared
+expert's FC1 tiles run in that launch too (E4M3 tokens, its weight re-encoded to E4M3 rows); without it they run on
+this module's FC1 in a second launch. FC2 keeps the shared expert's bf16 tiles here, beside the routed ones.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ LUT = True  # fp8: the E4M3 product tables looked up by scale byte in a shared t
 WS_FC1 = True  # fp8: the routed FC1 tiles on the warp-specialized kernel (moe_prefill_ws, tokens by bulk copies from
 # their tile image), the shared expert's on this module's FC1 in a second launch; act then re-ordered by the quantizer.
 # The whole fp8 prefill 4.68 -> 4.48 ms at T = 4096, 17.5 -> 16.6 at 16384 (RESULTS.md, session 27)
+WS_SHARED = True  # fp8 with WS_FC1: the shared expert's FC1 tiles as extra items of the warp-specialized FC1's
+# launch, its weights re-encoded to E4M3 with a power-of-two scale a row (moe_prefill_ws.shared_image: bulk-copied, no
+# decode) and its tokens in E4M3, instead of bf16 tiles on this module's FC1 in a second launch
 WS_FC2 = False  # fp8: the same for FC2 (its A rows from the E4M3 act's tile image). Measured slower: its routed
 # tiles 1.50 ms vs 1.44 on the register-A FC2 at T = 4096 (12 stages of K a CTA: the per-CTA start and epilogue show)
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
@@ -97,6 +101,7 @@ NVFP4 weights x their E4M3 scale rounded to E4M3 as Blackwell's QMUL4 rounds, th
 float32 scale a row: twice the MMA rate, ~2-3% error a product)."""
 _TAG = "wgmma prefill"
 _WEXP_TAG = "wgmma prefill fp8 exponent"
+_WS_SHARED_TAG = "ws prefill shared image"
 
 
 def _smem(bt: int, wgs: int, stages: int, xpad: int = 0) -> int:
@@ -234,6 +239,23 @@ def _packed_shared(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return derived(w.data, _TAG, lambda: _mx_codes(w.data)), derived(w.scale, _TAG, lambda: _mx_scales(w.scale))
 
 
+def _ws_shared(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The warp-specialized FC1's (image, row scales) of the shared expert's w13 (:func:`moe_prefill_ws.shared_image`),
+    built once per version of its codes and scales."""
+    return derived(w.data, _ws_shared_tag(w), lambda: ws.shared_image(w))  # type: ignore[return-value]
+
+
+def _ws_shared_tag(w: MXFP8Tensor) -> str:
+    """:func:`_ws_shared`'s tag on the codes: it names the scales' version, so a change of either rebuilds it."""
+    return f"{_WS_SHARED_TAG} {w.scale._version}"
+
+
+def _ws_shared_on(fp8: bool, hidden: int, inter: int, shared_w13: Any) -> bool:
+    """Whether this call's shared FC1 tiles run on the warp-specialized FC1 (:data:`WS_SHARED`)."""
+    return (fp8 and WS_FC1 and WS_SHARED and ws.TBULK and not PROMOTE and shared_w13 is not None
+            and ws.supports(hidden, inter) and (shared_w13.shape[0] // 2) % ws.COLS == 0)
+
+
 def _k_order_key(device: torch.device, k: int) -> tuple:
     return ("moe_prefill_cuda k_order", str(device), k)
 
@@ -256,6 +278,8 @@ def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: 
     ok = ok and mp.nvfp4_row_scales_ready(w13, (e, two_i)) and mp.nvfp4_row_scales_ready(w2, (e, h))
     for w in (shared_w13, shared_w2):
         ok = ok and (w is None or (derived_ready(w.data, _TAG) and derived_ready(w.scale, _TAG)))
+    if _ws_shared_on(check_precision(precision) == "fp8", h, two_i // 2, shared_w13):
+        ok = ok and derived_ready(shared_w13.data, _ws_shared_tag(shared_w13))
     return ok
 
 
@@ -351,10 +375,12 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     else:
         xq, xs, act8, a_s, e13, e2 = x.index_select(1, _k_order_on(x.device, h)), wts, act, wts, 0, 0
     fc1_args = [x, xq, xs, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k, e13]
-    if ws_fc1:  # routed tiles on the warp-specialized kernel (act in natural column order), shared ones here
-        xt = ws.token_image(xq, order, offs, k, runner=runner) if ws.TBULK else None
-        ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=e13, xt=xt, runner=runner)
-        if n_sh:
+    if ws_fc1:  # routed tiles on the warp-specialized kernel (act in natural column order), shared ones too or here
+        ws_sh = n_sh > 0 and _ws_shared_on(fp8, h, i, shared_w13)
+        xt = ws.token_image(xq, order, offs, k, shared=ws_sh, runner=runner) if ws.TBULK else None
+        ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=e13, xt=xt,
+               shared=(*_ws_shared(shared_w13), sact) if ws_sh else None, runner=runner)
+        if n_sh and not ws_sh:
             runner(fc1, (n_sh, 2 * s // rows), fc1_args)
     else:
         runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows), fc1_args)

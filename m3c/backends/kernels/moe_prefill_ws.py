@@ -1,4 +1,4 @@
-"""MegaMoE prefill FC1 and FC2, warp-specialized (``cuda/moe_prefill_ws.cu``), for sm_90a: the fp8 prefill's routed FC1.
+"""MegaMoE prefill FC1 and FC2, warp-specialized (``cuda/moe_prefill_ws.cu``), for sm_90a: the fp8 prefill's FC1.
 
 Why: the register-A wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`, fp8 build) is latency-bound at
 ~4,000 cycles a 128-K stage against ~1,000 of E4M3 MMA (RESULTS.md, sessions 17 and 19): every warp decodes its
@@ -18,9 +18,12 @@ Measured on the H200 at m3.1-small (RESULTS.md, sessions 19, 20, 27), routed FC1
   the register-A FC2's routed tiles and is off (``moe_prefill_cuda.WS_FC2``); a CTA an SM looping over the work
   items (:data:`PERSIST`) changed neither by more than the noise.
 
-Routed experts only (the shared expert stays in the register-A kernels). FC1: tokens in E4M3 with one float32 scale
-a row in natural K order (``moe_pf_quant`` with ``permute=0``), and with TBULK as their tile image; act out in
-natural column order. FC2: act in E4M3 with row scales (sorted-pair rows, natural K order) and its tile image; y
+FC1: tokens in E4M3 with one float32 scale a row in natural K order (``moe_pf_quant`` with ``permute=0``), and with
+TBULK as their tile image; act out in natural column order. With TBULK its launch also takes the shared expert's
+FC1 (session 28): ceil(T / 128) more tiles of the image (the tokens in order), whose B is the shared weight
+re-encoded to E4M3 on a power-of-two scale a row (:func:`shared_image`, made once a weight version) and bulk-copied
+a stage with the A rows (no decode); its act [T, S] goes to FC2's register-A shared tiles. The whole fp8 prefill
+4.42 -> 4.14 ms at T = 4096, 16.8 -> 15.7 at 16384 (RESULTS.md, session 28). FC2: act in E4M3 with row scales (sorted-pair rows, natural K order) and its tile image; y
 [T, slots, H] out. Weights: moe_cuda's prepacked NVFP4 copy (:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`),
 whose lane (g, j) holds rows g, g + 8 at K 16 j .. 16 j + 15 of each 64-K chunk — one 16-byte E4M3 row chunk each,
 written where B's K-major core matrices want them.
@@ -35,6 +38,7 @@ import torch
 from m3c.backends.cuda_aot import CudaKernelSpec, arg_types
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, ShapeError
+from m3c.model_defs.quant import MXFP8Tensor
 
 SOURCE = "moe_prefill_ws.cu"
 STAGES = 3  # A / B buffers (48 KiB each)
@@ -56,7 +60,8 @@ def smem_bytes(stages: int, raw: int, tbulk: bool = False) -> int:
     return stages * 8 * ((BT * 16 + (0 if tbulk else 64)) + (2 * COLS * 16 + 32)) + raw * (16 * 1024 + 16 * 256)
 
 
-_ARGS = {"moe_ws_fc1": "*xq *xs *order *offs *rcode *rscale *rrow *act *xt H I E topk wexp ntiles",
+_ARGS = {"moe_ws_fc1": "*xq *xs *order *offs *rcode *rscale *rrow *act *xt *sb *srow *sact T H I S E topk wexp ntiles "
+                       "nsh",
          "moe_ws_fc2": "*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt H I E topk slots wexp ntiles"}
 
 
@@ -109,9 +114,44 @@ def max_tiles(pairs: int, experts: int) -> int:
     return min(-(-pairs // BT) + experts, pairs)
 
 
-def image_shape(pairs: int, experts: int, k: int) -> tuple[int, int]:
-    """:func:`token_image`'s shape for rows of K bytes: a BT x KS-byte A buffer image a tile and 128-K stage."""
-    return max_tiles(pairs, experts), k // KS * BT * KS
+def image_shape(pairs: int, experts: int, k: int, shared_rows: int = 0) -> tuple[int, int]:
+    """:func:`token_image`'s shape for rows of K bytes: a BT x KS-byte A buffer image a tile and 128-K stage (the
+    routed tiles' bound, then ceil(shared_rows / BT) tiles of the shared expert's rows)."""
+    return max_tiles(pairs, experts) + -(-shared_rows // BT), k // KS * BT * KS
+
+
+B_BYTES = 8 * (2 * COLS * 16 + 32)  # a stage's B buffer: 8 K chunks of 16 bytes x 256 MMA columns, each padded by 32
+
+
+def shared_image(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's FC1 weight [2S, H] (MXFP8: E4M3 codes, an E8M0 scale a 32-K block) as FC1's shared items
+    bulk-copy it: (image, row scales). Each row is re-encoded on one power-of-two scale, 2^(emax - 127) with emax
+    its largest block exponent among blocks holding a nonzero code (float32 [2S], gate rows then up; 2^0 for an
+    all-zero row, NaN where that block's scale is E8M0's NaN): code x 2^(e - emax) rounded to E4M3, exact where the
+    value stays within E4M3's normals (>= 2^-6 x the row scale), else rounded to its subnormal step (an error <=
+    2^-10 x the row scale: values > 2^14 below the row's largest, in blocks under it). The image, uint8 [S / 128, H / 128 x B_BYTES]: row block rb's stage s is
+    the B buffer of its 128 gate and 128 up rows (MMA column 16 m + r: gate column 8 m + r, 16 m + 8 + r: its up
+    row), 128 K in 8 chunks of 16 (column n's bytes at chunk kc, 16 n; 32 bytes of zeros after each chunk)."""
+    two_s, h = w.data.shape
+    if two_s % (2 * COLS) or h % KS or w.data.dtype != torch.float8_e4m3fn or w.scale.shape != (two_s, h // 32):
+        raise ShapeError(f"moe_prefill_ws.shared_image: need float8_e4m3fn [2S, H] codes with S a multiple of {COLS} "
+                         f"and H of {KS}, scales [2S, H / 32]; got {w.data.dtype} {tuple(w.data.shape)}, "
+                         f"{tuple(w.scale.shape)}")
+    s, nst, nrb = two_s // 2, h // KS, two_s // (2 * COLS)
+    codes = w.data.float().view(two_s, h // 32, 32)
+    e = w.scale.view(torch.uint8).to(torch.int32)
+    emax = torch.where((codes != 0).any(-1), e, -1).amax(-1)
+    emax = torch.where(emax < 0, 127, emax)
+    shift = torch.ldexp(torch.ones_like(codes[..., 0]), (e - emax[:, None]).clamp(-60, 0))
+    q = (codes * shift[..., None]).view(two_s, h).to(torch.float8_e4m3fn).view(torch.uint8)
+    srow = torch.ldexp(torch.ones(two_s, device=q.device), emax - 127)
+    srow = torch.where(emax == 255, torch.full_like(srow, float("nan")), srow)
+    n = torch.arange(2 * COLS, device=q.device)
+    rows = (n // 16) * 8 + n % 8 + s * ((n % 16) // 8)  # MMA column n's row in row block 0
+    g = q[torch.arange(nrb, device=q.device)[:, None] * COLS + rows]  # [rb, n, H]
+    img = torch.zeros(nrb, nst, 8, 2 * COLS * 16 + 32, dtype=torch.uint8, device=q.device)
+    img[..., :2 * COLS * 16] = g.view(nrb, 2 * COLS, nst, 8, 16).permute(0, 2, 3, 1, 4).reshape(nrb, nst, 8, -1)
+    return img.view(nrb, nst * B_BYTES), srow
 
 
 def _check_tensors(where: str, device: torch.device, tensors: tuple[tuple[str, torch.Tensor, torch.dtype], ...]
@@ -126,40 +166,45 @@ def _check_tensors(where: str, device: torch.device, tensors: tuple[tuple[str, t
 @functools.cache
 def image_spec() -> CudaKernelSpec:
     """The spec of ``moe_ws_image``, which writes :func:`token_image`."""
-    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_image", arg_types("*xq *order *offs *xt H E topk"),
-                          (), 8, 0)
+    return CudaKernelSpec("megamoe_prefill_ws", SOURCE, "moe_ws_image",
+                          arg_types("*xq *order *offs *xt H E topk ntiles T"), (), 8, 0)
 
 
-def token_image(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, top_k: int, *,
+def token_image(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, top_k: int, *, shared: bool = False,
                 out: torch.Tensor | None = None, runner: Runner = jit_run) -> torch.Tensor:
     """The tokens as :data:`TBULK`'s copies read them (``moe_ws_image``, :data:`IMAGE_SPLIT` CTAs a tile): for each
     tile of BT sorted pairs (the experts' tiles in expert order, as FC1's grid numbers them) and each stage, the 16
     KiB image of the A buffer (K chunk kc of tile row n at 2048 kc + 16 n); rows past an expert's last pair, and
-    tiles past the last, are zero. No host sync (capturable). uint8 [max_tiles, H / 128 * 16384] (``out`` if
-    given)."""
+    tiles past the last, are zero. ``shared``: then ceil(T / BT) tiles of xq's rows in order (FC1's shared-expert
+    items). No host sync (capturable). uint8 :func:`image_shape` (``out`` if given)."""
     h = xq.shape[-1]
     p, e = order.numel(), offs.numel() - 1
     if xq.dim() != 2 or h % KS or xq.dtype != torch.uint8 or order.dtype != torch.int32 or offs.dtype != torch.int32:
         raise ShapeError(f"moe_prefill_ws.token_image: xq must be uint8 [T, H] with H a multiple of {KS}, order and "
                          f"offs int32; got xq {xq.dtype} {tuple(xq.shape)}, order {order.dtype}, offs {offs.dtype}")
-    shape = image_shape(p, e, h)
+    t = xq.shape[0] if shared else 0
+    shape = image_shape(p, e, h, t)
     img = torch.empty(shape, dtype=torch.uint8, device=xq.device) if out is None else out
     if img.shape != shape or img.dtype != torch.uint8 or not img.is_contiguous() or img.device != xq.device:
         raise ShapeError(f"moe_prefill_ws.token_image: out must be a contiguous uint8 {list(shape)} tensor on "
                          f"{xq.device}, got {img.dtype} {tuple(img.shape)} on {img.device}")
     if p:
-        runner(image_spec(), (img.shape[0], min(h // KS, IMAGE_SPLIT)), [xq, order, offs, img, h, e, top_k])
+        runner(image_spec(), (img.shape[0], min(h // KS, IMAGE_SPLIT)),
+               [xq, order, offs, img, h, e, top_k, max_tiles(p, e), t])
     return img
 
 
 def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, rcode: torch.Tensor,
         rscale: torch.Tensor, rrow: torch.Tensor, act: torch.Tensor, *, top_k: int, wexp: int,
-        xt: torch.Tensor | None = None, runner: Runner = jit_run) -> torch.Tensor:
+        xt: torch.Tensor | None = None, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        runner: Runner = jit_run) -> torch.Tensor:
     """act[p, c] = SiLU(gate) * up of sorted pair p (order[p] = token * top_k + slot) for the routed experts:
     xq [T, H] E4M3 codes (uint8) with row scales xs [T]; offs [E + 1] the experts' pair offsets; (rcode, rscale)
     moe_cuda's prepacked w13 [E, 2I, H]; rrow (E x 2I float32) its per-row tensor scales; wexp its fp8 exponent
     (:func:`m3c.backends.kernels.moe_prefill_cuda.fp8_exponent`); act [T * top_k, I] bf16 (written). With
-    :data:`TBULK` the tokens are read from ``xt`` (:func:`token_image` of xq, order, offs), which it needs."""
+    :data:`TBULK` the tokens are read from ``xt`` (:func:`token_image` of xq, order, offs), which it needs.
+    ``shared`` = (image, srow, sact) (TBULK only): also the shared expert's act [T, S] bf16 in the same launch, from
+    its :func:`shared_image` (image, srow) and xt made with ``shared=True``."""
     t, h = xq.shape
     p, inter = act.shape
     e = offs.numel() - 1
@@ -172,18 +217,33 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
     _check_tensors("moe_prefill_ws.fc1", act.device, (
         ("xq", xq, torch.uint8), ("xs", xs, torch.float32), ("order", order, torch.int32),
         ("offs", offs, torch.int32), ("rrow", rrow, torch.float32), ("act", act, torch.bfloat16)))
-    shape = image_shape(p, e, h)
-    tiles = shape[0]
+    sb, srow, sact = shared if shared is not None else (xq, xs, act)
+    s = sact.shape[1] if shared is not None else 0
+    if shared is not None:
+        if not TBULK:
+            raise ConfigError("moe_prefill_ws.fc1: the shared expert's items need TBULK (their tokens come from the "
+                              "tile image); run them on moe_prefill_cuda's FC1 instead")
+        want = (s // COLS, h // KS * B_BYTES)
+        if s % COLS or sact.shape[0] != t or srow.shape != (2 * s,) or sb.shape != want:
+            raise ShapeError(f"{where}: the shared expert's act {tuple(sact.shape)} must be [T, S] with S a multiple "
+                             f"of {COLS}, srow [2S], its image {list(want)} (shared_image); got srow "
+                             f"{tuple(srow.shape)}, image {tuple(sb.shape)}")
+        _check_tensors("moe_prefill_ws.fc1", act.device, (
+            ("the shared image", sb, torch.uint8), ("srow", srow, torch.float32), ("sact", sact, torch.bfloat16)))
+    shape = image_shape(p, e, h, t if shared is not None else 0)
+    tiles = max_tiles(p, e)
     if TBULK and (xt is None or xt.dtype != torch.uint8 or xt.shape != shape
                   or not xt.is_contiguous() or xt.device != act.device):
         got = None if xt is None else f"{xt.dtype} {tuple(xt.shape)} on {xt.device}"
+        made = ", shared=True" if shared is not None else ""
         raise ShapeError(f"moe_prefill_ws.fc1: TBULK reads the tokens' tile image: xt must be a contiguous uint8 "
-                         f"{list(shape)} tensor on {act.device} (token_image(xq, order, offs, top_k)), got {got}")
+                         f"{list(shape)} tensor on {act.device} (token_image(xq, order, offs, top_k{made})), got {got}")
     if p == 0:
         return act
-    runner(fc1_spec(), grid(tiles * (inter // COLS), act.device), [xq, xs, order, offs, rcode, rscale, rrow, act,
-                                                                    xt if TBULK else xq, h, inter, e, top_k, wexp,
-                                                                    tiles])
+    nsh = shape[0] - tiles
+    runner(fc1_spec(), grid((tiles + nsh) * (max(inter, s) // COLS), act.device),
+           [xq, xs, order, offs, rcode, rscale, rrow, act, xt if TBULK else xq, sb, srow, sact, t, h, inter, s, e,
+            top_k, wexp, tiles, nsh])
     return act
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_moe_prefill import _problem, _to
-from test_moe_prefill_cuda import _e4m3_rows, _e4m3_weights, _swiglu_bf16
+from test_moe_prefill_cuda import _e4m3_rescaled, _e4m3_rows, _e4m3_weights, _swiglu_bf16
 
 from m3c.backends.cuda_aot import SOURCE_DIR, compile_cuda, disassemble, find_nvcc
 from m3c.backends.kernels import moe_cuda
@@ -52,7 +52,8 @@ def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(build: tuple[int, ...],
     assert sass.count("QGMMA.64x256x32.F32.E4M3.E4M3") == 4  # one stage: 4 k32 steps, A and B from descriptors
     assert "SYNCS.PHASECHK" in sass and "SYNCS.ARRIVE" in sass  # mbarrier waits and arrivals
     assert "F2FP.SATFINITE.E4M3" in sass  # (LUT: in the table build)
-    assert sass.count("UBLKCP") == tbulk and "LDGSTS" in sass  # TBULK: the tokens by one bulk copy a stage
+    # TBULK: a routed stage's tokens by one bulk copy, a shared-expert stage's tokens and E4M3 weights by two
+    assert sass.count("UBLKCP") == 3 * tbulk and "LDGSTS" in sass
     for k, v in zip(KNOBS[2:4], build[2:4], strict=True):
         assert ((k, 1) in spec.defines) == bool(v)
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,17 +106,22 @@ def test_fc2_builds_for_sm90a_and_checks_its_inputs(monkeypatch: pytest.MonkeyPa
     assert calls[0][1] == (2 * tiles,) and ws.grid(1000, args[8].device) == (132,)
 
 
-def _image_model(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int) -> torch.Tensor:
+def _image_model(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, k: int, shared: bool = False
+                 ) -> torch.Tensor:
     """token_image by a loop over the sorted pairs: tile r's stage s holds K chunk kc of tile row n at 2048 kc + 16 n
-    (the experts' tiles in expert order), zero elsewhere."""
-    h = xq.shape[1]
-    want = torch.zeros(ws.max_tiles(order.numel(), offs.numel() - 1), h // 128, 8, ws.BT, 16, dtype=torch.uint8)
+    (the experts' tiles in expert order), zero elsewhere; `shared`: then xq's rows in order, from the routed tiles'
+    bound on."""
+    t, h = xq.shape
+    bound = ws.max_tiles(order.numel(), offs.numel() - 1)
+    want = torch.zeros(bound + shared * -(-t // ws.BT), h // 128, 8, ws.BT, 16, dtype=torch.uint8)
     tile = 0
     for ex in range(offs.numel() - 1):
         lo, hi = int(offs[ex]), int(offs[ex + 1])
         for p in range(lo, hi):
             want[tile + (p - lo) // ws.BT, :, :, (p - lo) % ws.BT] = xq[int(order[p]) // k].cpu().view(h // 128, 8, 16)
         tile += -(-(hi - lo) // ws.BT)
+    for r in range(t if shared else 0):
+        want[bound + r // ws.BT, :, :, r % ws.BT] = xq[r].cpu().view(h // 128, 8, 16)
     return want.view(want.shape[0], -1)
 
 
@@ -134,7 +140,12 @@ def test_token_image_launches_split_ctas_a_tile_and_checks_its_inputs(rng: torch
     img = ws.token_image(xq, order, offs, k, runner=lambda *a: calls.append(a))
     [(spec, grid, args)] = calls
     assert spec.kernel == "moe_ws_image" and grid == (ws.max_tiles(order.numel(), 6), 4) == (img.shape[0], 4)
-    assert img.shape[1] == 4 * 16384 and args[3] is img and args[4:] == [512, 6, k]
+    tiles = ws.max_tiles(order.numel(), 6)
+    assert img.shape[1] == 4 * 16384 and args[3] is img and args[4:] == [512, 6, k, tiles, 0]
+    calls.clear()  # with the shared expert's tiles: ceil(150 / 128) more, and T
+    img = ws.token_image(xq, order, offs, k, shared=True, runner=lambda *a: calls.append(a))
+    assert img.shape == ws.image_shape(order.numel(), 6, 512, 150) == (tiles + 2, 4 * 16384)
+    assert calls[0][1] == (tiles + 2, 4) and calls[0][2][4:] == [512, 6, k, tiles, 150]
     with pytest.raises(ShapeError, match="xq must be uint8"):
         ws.token_image(xq.float(), order, offs, k)
     with pytest.raises(ShapeError, match="order and offs int32"):
@@ -146,13 +157,70 @@ def test_token_image_launches_split_ctas_a_tile_and_checks_its_inputs(rng: torch
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [1, 3, 8])  # (4 stages: CTAs of 4, 2 / 1 and 1 stages)
-def test_token_image_puts_each_sorted_pair_where_the_a_buffer_wants_it_gpu(split: int, rng: torch.Generator,
+@pytest.mark.parametrize("shared", [False, True])
+def test_token_image_puts_each_sorted_pair_where_the_a_buffer_wants_it_gpu(split: int, shared: bool,
+                                                                           rng: torch.Generator,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ws, "IMAGE_SPLIT", split)
     xq, order, offs, k = _image_problem(rng, "cuda")
-    img = torch.full((ws.max_tiles(order.numel(), 6), 4 * 16384), 0x7F, dtype=torch.uint8, device="cuda")
-    assert ws.token_image(xq, order, offs, k, out=img) is img  # every byte written (the padding rows zero)
-    assert torch.equal(img.cpu(), _image_model(xq.cpu(), order.cpu(), offs.cpu(), k))
+    img = torch.full(ws.image_shape(order.numel(), 6, 512, 150 * shared), 0x7F, dtype=torch.uint8, device="cuda")
+    assert ws.token_image(xq, order, offs, k, shared=shared, out=img) is img  # every byte written (padding zero)
+    assert torch.equal(img.cpu(), _image_model(xq.cpu(), order.cpu(), offs.cpu(), k, shared))
+
+
+def _shared_image_model(w: quant.MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """shared_image by loops: each row's scale the largest 2^(e - 127) of its blocks holding a nonzero code (1 for
+    an all-zero row), its values over it in E4M3; row block rb's stage s, K chunk kc: MMA column n's 16 bytes at
+    16 n (column 16 m + r: gate row 128 rb + 8 m + r, 16 m + 8 + r: the up row S on), 32 zero bytes after."""
+    v = quant.mxfp8_dequantize(w).double()
+    two_s, h = v.shape
+    s = two_s // 2
+    srow = torch.ones(two_s, dtype=torch.float64)
+    for r in range(two_s):
+        live = [b for b in range(h // 32) if bool((w.data[r, 32 * b:32 * b + 32].float() != 0).any())]
+        if live:
+            srow[r] = max(2.0 ** (int(w.scale[r, b]) - 127) for b in live)
+    q = (v / srow[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    img = torch.zeros(s // 128, h // 128, 8, 256 * 16 + 32, dtype=torch.uint8)
+    for rb in range(s // 128):
+        for n in range(256):
+            row = (n % 16 >= 8) * s + 128 * rb + 8 * (n // 16) + n % 8
+            img[rb, :, :, 16 * n:16 * n + 16] = q[row].view(h // 128, 8, 16)
+    return img.view(s // 128, -1), srow.float()
+
+
+def test_shared_image_reencodes_each_row_on_one_scale_where_fc1_wants_it(rng: torch.Generator) -> None:
+    """The shared expert's E4M3 image: the loop model's bytes and row scales, exact for rows whose blocks sit within
+    E4M3's normals (2^-6 x the row scale) and within half its subnormal step (2^-10 x the row scale) below, an
+    all-zero row, a zero block with a huge scale byte ignored, a block 20 binades under its row losing its bits,
+    bad shapes named."""
+    s, h = 256, 384
+    w = quant.mxfp8_quantize(torch.randn(2 * s, h, generator=rng) / h**0.5)
+    w.data[3] = 0  # an all-zero row
+    w.data[5, :32] = 0  # a zero block whose scale byte would dwarf the row's
+    w.scale[5, 0] = 250
+    w.data[7, 64:96] = quant.mxfp8_quantize(torch.randn(1, 32, generator=rng) * 2.0**-20).data[0]
+    w.scale[7, 2] = int(w.scale[7].max()) - 20
+    img, srow = ws.shared_image(w)
+    want, want_row = _shared_image_model(w)
+    assert img.shape == (2, 3 * ws.B_BYTES) and torch.equal(img, want) and torch.equal(srow, want_row)
+    assert float(srow[3]) == 1.0 and float(srow[5]) < 2.0**100
+    back = _shared_image_model(quant.MXFP8Tensor(w.data, w.scale))[0]  # (same bytes: deterministic)
+    assert torch.equal(back, img)
+    # decode the image back to rows: exact but for row 7's low block
+    codes = img.view(2, 3, 8, 256 * 16 + 32)[..., :4096].view(2, 3, 8, 256, 16).permute(0, 3, 1, 2, 4)
+    n = torch.arange(256)
+    rows = (n % 16 >= 8) * s + 8 * (n // 16) + n % 8
+    dec = torch.empty(2 * s, h, dtype=torch.float64)
+    dec[torch.arange(2)[:, None] * 128 + rows] = codes.reshape(2, 256, h).view(torch.float8_e4m3fn).double()
+    dec *= srow.double()[:, None]
+    v = quant.mxfp8_dequantize(w).double()
+    rs = srow.double()[:, None]
+    normal = v.abs() >= 2.0**-6 * rs  # (E4M3's normals: exact; below, its subnormal step 2^-9 x the row scale)
+    assert torch.equal(dec[normal], v[normal]) and bool(((dec - v).abs() <= 2.0**-10 * rs).all())
+    assert not torch.equal(dec[7, 64:96], v[7, 64:96]) and float(dec[7, 64:96].abs().max()) <= 2.0**-6 * float(rs[7])
+    with pytest.raises(ShapeError, match="S a multiple of 128"):
+        ws.shared_image(quant.mxfp8_quantize(torch.randn(2 * 192, h, generator=rng)))
 
 
 def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,6 +250,40 @@ def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
     none = torch.zeros(0, 256, dtype=torch.bfloat16)  # no tokens: nothing launched
     assert ws.fc1(xq[:0], xs[:0], order[:0], offs, xq, xq, rrow, none, top_k=2, wexp=0,
                   runner=lambda *a: calls.append(a)) is none and not calls
+
+
+def test_fc1_launches_the_shared_experts_items_and_checks_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """shared=(image, srow, sact): ceil(T / 128) more tiles (the image made with shared=True), row blocks for the
+    larger of I and S, T / S / nsh in the launch; TBULK required; bad shapes and dtypes named."""
+    monkeypatch.setattr(ws, "TBULK", True)
+    u8, f32, i32, bf16 = torch.uint8, torch.float32, torch.int32, torch.bfloat16
+    t, h, i, k, e, s = 200, 512, 256, 2, 3, 384
+    p = t * k
+    xq, xs = torch.zeros(t, h, dtype=u8), torch.zeros(t, dtype=f32)
+    order, offs = torch.zeros(p, dtype=i32), torch.tensor([0, 100, 100, p], dtype=i32)
+    rrow, act = torch.zeros(e, 2 * i), torch.zeros(p, i, dtype=bf16)
+    img, srow, sact = torch.zeros(s // 128, h // 128 * ws.B_BYTES, dtype=u8), torch.zeros(2 * s), torch.zeros(t, s,
+                                                                                                           dtype=bf16)
+    xt = torch.zeros(ws.image_shape(p, e, h, t), dtype=u8)
+    calls: list = []
+    ws.fc1(xq, xs, order, offs, xq, xq, rrow, act, top_k=k, wexp=2, xt=xt, shared=(img, srow, sact),
+           runner=lambda *a: calls.append(a))
+    [(spec, grid, args)] = calls
+    tiles = ws.max_tiles(p, e)
+    assert spec is ws.fc1_spec() and xt.shape[0] == tiles + 2 and grid == ((tiles + 2) * 3,)  # 3 row blocks: S / 128 > I / 128
+    assert args[8] is xt and args[9] is img and args[10] is srow and args[11] is sact
+    assert args[12:] == [t, h, i, s, e, k, 2, tiles, 2]
+    with pytest.raises(ShapeError, match=r"xt must be a contiguous uint8 .*token_image\(xq, order, offs, top_k, "
+                                         r"shared=True\)"):
+        ws.fc1(xq, xs, order, offs, xq, xq, rrow, act, top_k=k, wexp=2, xt=xt[:tiles], shared=(img, srow, sact))
+    for bad in ((img[:1], srow, sact), (img, srow[1:], sact), (img, srow, sact[:, :200]), (img, srow, sact[1:])):
+        with pytest.raises(ShapeError, match="the shared expert's act"):
+            ws.fc1(xq, xs, order, offs, xq, xq, rrow, act, top_k=k, wexp=2, xt=xt, shared=bad)
+    with pytest.raises(ShapeError, match=r"sact must be a contiguous torch\.bfloat16"):
+        ws.fc1(xq, xs, order, offs, xq, xq, rrow, act, top_k=k, wexp=2, xt=xt, shared=(img, srow, sact.float()))
+    monkeypatch.setattr(ws, "TBULK", False)
+    with pytest.raises(ConfigError, match="need TBULK"):
+        ws.fc1(xq, xs, order, offs, xq, xq, rrow, act, top_k=k, wexp=2, shared=(img, srow, sact))
 
 
 def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: quant.NVFP4Tensor) -> torch.Tensor:
@@ -231,3 +333,37 @@ def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, 
         again.fill_(float("nan"))
         ws.fc1(xq, xs, order, offs, c13, s13, g13, again, top_k=k, wexp=pc.fp8_exponent(w13))
         assert torch.equal(again, act)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", [b for b in BUILDS if b[3]])  # (the shared items need TBULK)
+@pytest.mark.parametrize("t, h, inter, e, k, s, skew", [(300, 512, 256, 8, 2, 384, True), (150, 512, 512, 4, 2, 128, False),
+                                                         (1000, 6144, 1536, 64, 8, 1536, False)])
+def test_fc1_shared_items_match_their_model_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew: bool,
+                                                build: tuple[int, ...], rng: torch.Generator,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared expert's items in FC1's launch (S above, below and equal to I; a partial last token tile): its act
+    [T, S] within the E4M3 accumulator's loss of the float64 model (E4M3 token rows x its re-encoded E4M3 rows), every
+    element written (NaN-poisoned), and the routed act bitwise what the launch without them writes."""
+    _set_build(monkeypatch, build)
+    x, ids, _, w13, _, sh13, _ = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng, skew=skew, empty=1)
+    x, ids, w13, sh13 = _to(x, "cuda"), _to(ids, "cuda"), _to(w13, "cuda"), _to(sh13, "cuda")
+    order, offs = mp.checked_permutation(None, ids.long(), e)
+    c13, s13 = moe_cuda.packed_pair(w13)
+    g13 = mp.nvfp4_row_scales(w13, (e, 2 * inter), "w13")
+    xq = torch.empty(t, h, dtype=torch.uint8, device="cuda")
+    xs = torch.empty(t, device="cuda")
+    jit_run(pc.specs("fp8")[2], (t,), [x.bfloat16(), xq, xs, h, 0])
+    img, srow = ws.shared_image(sh13)
+    wexp = pc.fp8_exponent(w13)
+    act = torch.full((t * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    sact = torch.full((t, s), float("nan"), dtype=torch.bfloat16, device="cuda")
+    xt = ws.token_image(xq, order, offs, k, shared=True)
+    ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=wexp, xt=xt, shared=(img, srow, sact))
+    assert torch.isfinite(sact).all() and torch.isfinite(act).all()
+    model = _swiglu_bf16(_e4m3_rows(x.bfloat16()) @ _e4m3_rescaled(sh13).t(), s)
+    rel = float((sact.double() - model).norm() / model.norm())
+    assert rel < 3e-2, rel
+    alone = torch.full_like(act, float("nan"))
+    ws.fc1(xq, xs, order, offs, c13, s13, g13, alone, top_k=k, wexp=wexp, xt=ws.token_image(xq, order, offs, k))
+    assert torch.equal(alone, act)

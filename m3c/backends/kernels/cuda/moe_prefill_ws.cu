@@ -115,18 +115,22 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int r, int& ex
 // with row scales xs (moe_pf_quant); K = I. With TBULK the A rows come from xt instead: tile r's stage s is the A
 // buffer's image, 16 KiB at (r K / KS + s) 16 KiB: K chunk kc (16 bytes) of tile row n at kc 2048 + 16 n
 // (moe_prefill_ws.token_image).
-// Work items: (tile, row block) pairs, item i = tile i % ntiles of row block i / ntiles (ntiles: the grid's bound on
-// tiles; items past the last tile are skipped). A CTA takes items blockIdx.x, + gridDim.x, ..: one each when the grid
+// Work items: (tile, row block) pairs, item i = tile i % (ntiles + nsh) of row block i / (ntiles + nsh) (ntiles: the
+// grid's bound on routed tiles, items past the last are skipped; nsh: FC1's shared-expert tiles, none for FC2). A CTA takes items blockIdx.x, + gridDim.x, ..: one each when the grid
 // covers them all, several when it is persistent; the stage ring and its barrier phases run on across items, so
 // the producer fills the next item's first stages while the consumers store the last one's results.
 template <int FC2>
 __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int* order, const float* wts,
                                         const int* offs, const u8* rcode, const u8* rscale, const float* rrow,
                                         u16* out, const u8* xt, int H, int I, int E, int topk, int slots, int wexp,
-                                        int ntiles) {
+                                        int ntiles, const u8* sb, const float* srow, u16* sact, int T, int S,
+                                        int nsh) {
   extern __shared__ __align__(128) u8 smem[];
   __shared__ __align__(8) unsigned long long bars[2 * STAGES];
-  const int tid = threadIdx.x, K = FC2 ? I : H, items = ntiles * (FC2 ? H / 256 : I / 128);
+  // tiles 0 .. ntiles - 1: the routed experts' (a bound: those past the last are skipped); FC1 with TBULK also
+  // ntiles .. ntiles + nsh - 1: the shared expert's, 128 tokens each, B bulk-copied from its E4M3 image sb
+  const int tid = threadIdx.x, K = FC2 ? I : H, ntt = ntiles + nsh;
+  const int items = ntt * (FC2 ? H / 256 : max(I, nsh ? S : 0) / 128);
   const float up2 = __uint_as_float((u32)(127 + wexp) << 23);
   // the sorted pair p's A row offset in xq (-1 past the tile's pairs)
   auto row_of = [&](int p0, int count, int n) -> long long {
@@ -154,9 +158,26 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     const int pt = tid - 256, pw = warp - 8;
     int gs = 0;  // stages produced, over all items (the ring slot and barrier phase)
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int rb = item / ntiles;
+      const int rb = item / ntt, ti = item % ntt;
+      const u8* xtile = xt + (long)ti * nst * A_BYTES;  // TBULK: this tile's image
+      if (!FC2 && TBULK && ti >= ntiles) {  // a shared-expert item: its A rows and E4M3 B by two bulk copies a stage
+        if (rb * 128 >= S) continue;
+        const u8* bimg = sb + (long)rb * nst * B_BYTES;
+        for (int s = 0; s < nst; ++s, ++gs) {
+          const int slot = gs % STAGES;
+          mbar_wait(empty0 + 8 * slot, ((gs / STAGES) & 1) ^ 1);
+          if (pt == 0) {
+            mbar_arrive_tx(full0 + 8 * slot, A_BYTES + B_BYTES);
+            bulk_g2s(abase + slot * A_BYTES, xtile + (long)s * A_BYTES, A_BYTES, full0 + 8 * slot);
+            bulk_g2s(bbase + slot * B_BYTES, bimg + (long)s * B_BYTES, B_BYTES, full0 + 8 * slot);
+          }
+          mbar_arrive(full0 + 8 * slot);
+        }
+        continue;
+      }
       int expert, p0, count;
-      if (!find_tile(offs, E, item % ntiles, expert, p0, count)) continue;
+      if ((!FC2 && rb * 128 >= I) || !find_tile(offs, E, ti, expert, p0, count)) continue;  // (FC1: rb < S / 128 may
+                                                                                             // pass I / 128)
       // the CTA's 16 weight tiles of 16 rows: FC1 8 of gate rows and 8 of up rows, FC2 16 consecutive
       const long e0 = (long)expert * ((FC2 ? H : 2 * I) / 16), g0 = e0 + rb * (FC2 ? 16 : 8), u0 = e0 + I / 16 + rb * 8;
       const long tstride = (long)nst * 1024;
@@ -179,7 +200,6 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
       const u8* xrow0 = xq + (o0 < 0 ? 0 : o0) + 16 * (pt % 2);
       const u8* xrow1 = xq + (o1 < 0 ? 0 : o1) + 16 * (pt % 2);
       const u32 xd0 = (pt % 2) * LBO_A + (n0 / 8) * 128 + (n0 % 8) * 16;
-      const u8* xtile = xt + (long)(item % ntiles) * nst * A_BYTES;  // TBULK: this tile's image
       auto issue_raw = [&](int s) {
         if (s < nst) {
           const u32 rb_ = rbase + (s % RAW) * RAW_BYTES;
@@ -265,19 +285,30 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
   const int r = 16 * (warp & 3) + g;  // the lane's token rows r, r + 8 of its warpgroup's 64
   int gs = 0;  // stages consumed, over all items
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int rb = item / ntiles;
-    int expert, p0, count;
-    if (!find_tile(offs, E, item % ntiles, expert, p0, count)) continue;
-    // the rows' scales (x 2^wexp; FC2: x the routing weight) and FC2's y rows, loaded under the MMAs
+    const int rb = item / ntt, ti = item % ntt;
+    const bool shr = !FC2 && TBULK && ti >= ntiles;  // a shared-expert item (the producer's test)
+    int expert = 0, p0, count;
+    if (shr) {
+      if (rb * 128 >= S) continue;
+      p0 = (ti - ntiles) * BT;
+      count = min(BT, T - p0);
+    } else if ((!FC2 && rb * 128 >= I) || !find_tile(offs, E, ti, expert, p0, count)) {
+      continue;
+    }
+    // the rows' scales (routed: x 2^wexp; FC2: x the routing weight) and FC2's y rows, loaded under the MMAs
     float csc[2] = {0.f, 0.f};
     int yrow[2] = {0, 0};  // (T slots < 2^31)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int tk = 64 * cw + r + 8 * h;
       if (tk < count) {
-        const int pair = order[p0 + tk], tok = pair / topk;
-        csc[h] = FC2 ? xs[p0 + tk] * up2 * wts[pair] : xs[tok] * up2;
-        yrow[h] = tok * slots + pair % topk;
+        if (shr) {
+          csc[h] = xs[p0 + tk];
+        } else {
+          const int pair = order[p0 + tk], tok = pair / topk;
+          csc[h] = FC2 ? xs[p0 + tk] * up2 * wts[pair] : xs[tok] * up2;
+          yrow[h] = tok * slots + pair % topk;
+        }
       }
     }
     float acc[128];
@@ -319,11 +350,13 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
       continue;
     }
     const long col0 = (long)rb * 128;
-    const float* fr = rrow + (long)expert * 2 * I;
+    const int N = shr ? S : I;  // act's columns: the shared expert's act [T, S], or the routed [T topk, I]
+    const float* fr = shr ? srow : rrow + (long)expert * 2 * I;
+    u16* const o = shr ? sact : out;
 #pragma unroll
     for (int m = 0; m < 16; ++m) {
       const int c = 8 * m + 2 * j;
-      const float fg0 = fr[col0 + c], fg1 = fr[col0 + c + 1], fu0 = fr[I + col0 + c], fu1 = fr[I + col0 + c + 1];
+      const float fg0 = fr[col0 + c], fg1 = fr[col0 + c + 1], fu0 = fr[N + col0 + c], fu1 = fr[N + col0 + c + 1];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tk = 64 * cw + r + 8 * h;
@@ -331,18 +364,22 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
           const float cs = csc[h];
           const float v0 = silu_mul_bf16(acc[8 * m + 2 * h] * fg0 * cs, acc[8 * m + 4 + 2 * h] * fu0 * cs);
           const float v1 = silu_mul_bf16(acc[8 * m + 2 * h + 1] * fg1 * cs, acc[8 * m + 4 + 2 * h + 1] * fu1 * cs);
-          *(u32*)(out + (long)(p0 + tk) * I + col0 + c) = (u32)bf16_bits(v0) | ((u32)bf16_bits(v1) << 16);
+          *(u32*)(o + (long)(p0 + tk) * N + col0 + c) = (u32)bf16_bits(v0) | ((u32)bf16_bits(v1) << 16);
         }
       }
     }
   }
 }
 
+// sb / srow / sact (nsh > 0, TBULK only): the shared expert's E4M3 B image (moe_prefill_ws.shared_image: row block
+// rb's stage s is the B buffer's image, B_BYTES at (rb K / KS + s) B_BYTES), its rows' float32 scales [2 S] (gate,
+// then up) and its act [T, S] bf16; xt then holds its nsh tiles of 128 tokens after the routed ntiles.
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, const u8* rcode, const u8* rscale,
-           const float* rrow, u16* act, const u8* xt, int H, int I, int E, int topk, int wexp, int ntiles,
-           void* scratch0, void* scratch1) {
-  ws_gemm<0>(xq, xs, order, nullptr, offs, rcode, rscale, rrow, act, xt, H, I, E, topk, 0, wexp, ntiles);
+           const float* rrow, u16* act, const u8* xt, const u8* sb, const float* srow, u16* sact, int T, int H, int I,
+           int S, int E, int topk, int wexp, int ntiles, int nsh, void* scratch0, void* scratch1) {
+  ws_gemm<0>(xq, xs, order, nullptr, offs, rcode, rscale, rrow, act, xt, H, I, E, topk, 0, wexp, ntiles, sb, srow,
+             sact, T, S, nsh);
 }
 
 // act8 / as: FC2's E4M3 act rows in sorted-pair order and their scales; y [T, slots, H] bf16 (slot = the pair's).
@@ -350,22 +387,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_ws_fc2(const u8* act8, const float* as, const int* order, const float* wts, const int* offs, const u8* rcode,
            const u8* rscale, const float* rrow, u16* y, const u8* xt, int H, int I, int E, int topk, int slots,
            int wexp, int ntiles, void* scratch0, void* scratch1) {
-  ws_gemm<1>(act8, as, order, wts, offs, rcode, rscale, rrow, y, xt, H, I, E, topk, slots, wexp, ntiles);
+  ws_gemm<1>(act8, as, order, wts, offs, rcode, rscale, rrow, y, xt, H, I, E, topk, slots, wexp, ntiles, nullptr,
+             nullptr, nullptr, 0, 0, 0);
 }
 
 // The tokens' tile image that TBULK's copies read: tile r's stage s, 16 KiB, holds K chunk kc (16 bytes, K s KS +
 // 16 kc ..) of tile row n at kc 2048 + 16 n, from xq's row of the tile's n-th sorted pair; rows past the tile's pairs
-// and tiles past the last are zero. CTA (r, y) writes stages y, y + gridDim.y, .. of tile r (one tile search a CTA).
-// Threads take 16-byte chunks in write order (coalesced stores; the reads gather 16 bytes a row, from L2: xq is
-// T H bytes).
+// and tiles past the last are zero. Tiles ntiles .. gridDim.x - 1 (the shared expert's): 128 consecutive rows of xq
+// each (T rows in all). CTA (r, y) writes stages y, y + gridDim.y, .. of tile r (one tile search a CTA). Threads
+// take 16-byte chunks in write order (coalesced stores; the reads gather 16 bytes a row, from L2: xq is T H bytes).
 extern "C" __global__ void __launch_bounds__(256)
-moe_ws_image(const u8* xq, const int* order, const int* offs, u8* xt, int H, int E, int topk, void* scratch0,
-             void* scratch1) {
+moe_ws_image(const u8* xq, const int* order, const int* offs, u8* xt, int H, int E, int topk, int ntiles, int T,
+             void* scratch0, void* scratch1) {
   __shared__ long long src[BT];
-  int expert, p0, count;
-  if (!find_tile(offs, E, blockIdx.x, expert, p0, count)) count = 0;
+  const bool shr = (int)blockIdx.x >= ntiles;
+  int expert, p0 = ((int)blockIdx.x - ntiles) * BT, count = min(BT, T - p0);
+  if (!shr && !find_tile(offs, E, blockIdx.x, expert, p0, count)) count = 0;
   const int nst = H / KS;
-  for (int n = threadIdx.x; n < BT; n += 256) src[n] = n < count ? (long long)(order[p0 + n] / topk) * H : -1;
+  for (int n = threadIdx.x; n < BT; n += 256)
+    src[n] = n >= count ? -1 : (long long)(shr ? p0 + n : order[p0 + n] / topk) * H;
   __syncthreads();
   constexpr int V = BT * KS / 16 / 256;
   for (int s = blockIdx.y; s < nst; s += gridDim.y) {
