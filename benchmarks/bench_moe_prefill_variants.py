@@ -36,9 +36,10 @@ from m3c.model_defs import quant
 
 H, I, E, K, S = 6144, 1536, 64, 8, 1536  # noqa: E741
 # as shipped (the builds below set them and restore them); WS bits: 1 pc.WS_FC1, 2 pc.WS_FC2, 4 moe_prefill_ws.PERSIST,
-# 8 pc.WS_SHARED
+# 8 pc.WS_SHARED, 16 pc.WS_SHARED_FC2
 DEFAULT_LUT = pc.LUT
-DEFAULT_WS = int(pc.WS_FC1) + 2 * int(pc.WS_FC2) + 4 * int(ws.PERSIST) + 8 * int(pc.WS_SHARED)
+DEFAULT_WS = int(pc.WS_FC1) + 2 * int(pc.WS_FC2) + 4 * int(ws.PERSIST) + 8 * int(pc.WS_SHARED) + \
+    16 * int(pc.WS_SHARED_FC2)
 READ_BW, BF16_FLOPS = 4.28e12, 750e12
 
 VARIANTS = [  # Tiles(bm, bn1, bn2, bk, warps, stages); None = moe_prefill's own pick for the T
@@ -105,7 +106,7 @@ def main() -> None:
     ap.add_argument("--no-wgmma", action="store_true", help="skip the CUDA C++ wgmma kernels (moe_prefill_cuda)")
     ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES[,INFLIGHT[,PROMOTE[,CTAS[,XPAD[,LUT[,WS]]]]]]",
                     help="wgmma builds to time (default: WGMMA_VARIANTS; LUT, WS (1 pc.WS_FC1 + 2 pc.WS_FC2 + 4 PERSIST + 8 "
-                         "pc.WS_SHARED): as "
+                         "pc.WS_SHARED + 16 pc.WS_SHARED_FC2): as "
                          "shipped)")
     ap.add_argument("--wgmma-precision", nargs="+", default=["bf16"], choices=pc.PRECISIONS,
                     help="routed-tile precisions of each wgmma build (fp8 builds take BT 128 or 256)")
@@ -174,10 +175,10 @@ def main() -> None:
                 ("_lut" if lut and prec == "fp8" else "") + (f"_ws{wsb}" if wsb and prec == "fp8" else "")
             name += f"_run{sum(k.startswith(name) for k in variants) + 1}" if name in variants else ""
             saved = (pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2,
-                     ws.PERSIST, pc.WS_SHARED)
+                     ws.PERSIST, pc.WS_SHARED, pc.WS_SHARED_FC2)
             pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2, \
-                ws.PERSIST, pc.WS_SHARED = bt, wgs, stages, inflight, bool(promote), ctas, xpad, bool(lut), \
-                bool(wsb & 1), bool(wsb & 2), bool(wsb & 4), bool(wsb & 8)
+                ws.PERSIST, pc.WS_SHARED, pc.WS_SHARED_FC2 = bt, wgs, stages, inflight, bool(promote), ctas, xpad, \
+                bool(lut), bool(wsb & 1), bool(wsb & 2), bool(wsb & 4), bool(wsb & 8), bool(wsb & 16)
             out = torch.empty_like(x)
 
             def run_w(out=out, a=(x, ids, wts, w13, w2, sh13, sh2), prec=prec):
@@ -191,7 +192,7 @@ def main() -> None:
                 variants[name] = {"error": str(e)[:300]}
             finally:
                 pc.BT, pc.WGS, pc.STAGES, pc.INFLIGHT, pc.PROMOTE, pc.CTAS, pc.XPAD, pc.LUT, pc.WS_FC1, pc.WS_FC2, \
-                    ws.PERSIST, pc.WS_SHARED = saved
+                    ws.PERSIST, pc.WS_SHARED, pc.WS_SHARED_FC2 = saved
             print(t, name, variants[name], flush=True)
         row["variants"] = variants
         best = min((v["ms"], k) for k, v in variants.items() if "ms" in v)

@@ -18,6 +18,11 @@ from m3c.backends.kernels import moe_prefill as mp
 from m3c.backends.kernels import moe_prefill_cuda as pc
 
 
+def set_ws(ws: int) -> None:
+    """pc.WS_FC1, WS_FC2, WS_SHARED, WS_SHARED_FC2 from the --ws bits 1, 2, 8, 16."""
+    pc.WS_FC1, pc.WS_FC2, pc.WS_SHARED, pc.WS_SHARED_FC2 = bool(ws & 1), bool(ws & 2), bool(ws & 8), bool(ws & 16)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
@@ -25,7 +30,7 @@ def main() -> None:
     ap.add_argument("--precision", default="bf16", choices=pc.PRECISIONS, help="the wgmma routed tiles' (--once)")
     ap.add_argument("--ws", type=int, nargs="*", default=[], metavar="WS",
                     help="instead: the fp8 path's kernels at each WS = 1 * pc.WS_FC1 + 2 * pc.WS_FC2 + 8 * "
-                         "pc.WS_SHARED")
+                         "pc.WS_SHARED + 16 * pc.WS_SHARED_FC2")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     w13, w2 = nvfp4_stack(2 * I, H, gen), nvfp4_stack(H, I, gen)
@@ -35,7 +40,9 @@ def main() -> None:
     ids = torch.rand(t, E, device="cuda", generator=gen).topk(K, dim=1).indices
     wts = torch.rand(t, K, device="cuda", generator=gen)
     a = (x, ids, wts, w13, w2, sh13, sh2)
-    if args.once:
+    if args.once:  # (with --ws: the first value's knobs)
+        if args.ws:
+            set_ws(args.ws[0])
         pc.moe_prefill_wgmma(*a, precision=args.precision)
         torch.cuda.synchronize()
         pc.moe_prefill_wgmma(*a, precision=args.precision)
@@ -43,7 +50,7 @@ def main() -> None:
         return
     if args.ws:
         for ws in args.ws:
-            pc.WS_FC1, pc.WS_FC2, pc.WS_SHARED = bool(ws & 1), bool(ws & 2), bool(ws & 8)
+            set_ws(ws)
             kt = kernel_times(lambda: pc.moe_prefill_wgmma(*a, precision="fp8"), calls=5)
             print(f"T={t} WS={ws} total {sum(kt.values()):.1f} us: " + ", ".join(f"{k[:24]} {v:.1f}" for k, v in kt.items()))
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -35,28 +36,42 @@ def num_sms(device: torch.device, cpu_default: int = 132) -> int:
     return cpu_default
 
 
-def derived(source: torch.Tensor, tag: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+_T = TypeVar("_T")
+
+
+def _stamp(source: torch.Tensor, also: tuple[torch.Tensor, ...]) -> tuple:
+    """What a :func:`derived` entry was made from: `source`'s version, and each of `also` by identity and version."""
+    return (source._version, *((weakref.ref(t), t._version) for t in also))
+
+
+def _current(stamp: tuple, source: torch.Tensor, also: tuple[torch.Tensor, ...]) -> bool:
+    return (len(stamp) == 1 + len(also) and stamp[0] == source._version
+            and all(ref() is t and v == t._version for (ref, v), t in zip(stamp[1:], also, strict=True)))
+
+
+def derived(source: torch.Tensor, tag: str, make: Callable[[], _T], also: tuple[torch.Tensor, ...] = ()) -> _T:
     """``make()``, kept on `source` under `tag` (so it lives as long as `source`) and rebuilt only when
-    `source` changes in place (its version counter): a per-step launcher converts a weight once, not at
-    every step."""
+    `source` changes in place (its version counter), or when one of `also` (other tensors it is made from) is
+    another tensor or changed in place: a per-step launcher converts a weight once, not at every step."""
     cache = getattr(source, "_m3c_derived", None)
     if cache is None:
         cache = {}
         source._m3c_derived = cache  # type: ignore[attr-defined]
     hit = cache.get(tag)
-    if hit is None or hit[0] != source._version:
-        hit = (source._version, make())
+    if hit is None or not _current(hit[0], source, also):
+        cache.pop(tag, None)  # (the stale value goes before its successor is made)
+        hit = (_stamp(source, also), make())
         cache[tag] = hit
     return hit[1]
 
 
-def derived_ready(source: torch.Tensor, tag: str) -> bool:
-    """Whether :func:`derived` holds a current `tag` for `source` (a call would not rebuild it): what a launch inside
-    CUDA-graph capture, which must not build anything, checks first."""
-    return getattr(source, "_m3c_derived", {}).get(tag, (None,))[0] == source._version
+def derived_ready(source: torch.Tensor, tag: str, also: tuple[torch.Tensor, ...] = ()) -> bool:
+    """Whether :func:`derived` holds a current `tag` for `source` (and `also`): a call would not rebuild it, what a
+    launch inside CUDA-graph capture, which must not build anything, checks first."""
+    hit = getattr(source, "_m3c_derived", {}).get(tag)
+    return hit is not None and _current(hit[0], source, also)
 
 
-_T = TypeVar("_T")
 _PERSISTENT: dict[tuple, Any] = {}
 
 

@@ -124,7 +124,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
             mma.append(route_stage_spec(hidden, experts, act_dtype, route_nt(tokens)))
     if prefill_wgmma_unsupported(hidden, inter, shared_inter, act_dtype, w13_fmt, shared_fmt) is None:
         mma += moe_prefill_cuda.specs(prefill_precision)
-        mma += moe_prefill_cuda.ws_specs(prefill_precision, hidden, inter)
+        mma += moe_prefill_cuda.ws_specs(prefill_precision, hidden, inter, shared_inter if shared_fmt != "none" else 0)
     return route_specs(experts, top_k) + mma + list(moe_prefill_specs(
         hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, _prefill_fmt(shared_fmt)))
 

@@ -89,6 +89,8 @@ WS_FC1 = True  # fp8: the routed FC1 tiles on the warp-specialized kernel (moe_p
 WS_SHARED = True  # fp8 with WS_FC1: the shared expert's FC1 tiles as extra items of the warp-specialized FC1's
 # launch, its weights re-encoded to E4M3 with a power-of-two scale a row (moe_prefill_ws.shared_image: bulk-copied, no
 # decode) and its tokens in E4M3, instead of bf16 tiles on this module's FC1 in a second launch
+WS_SHARED_FC2 = False  # fp8: the shared expert's FC2 tiles on the warp-specialized FC2 (its act in E4M3, its weight
+# re-encoded to E4M3 rows like WS_SHARED's): with the routed ones where WS_FC2 runs them, else in a launch of its own
 WS_FC2 = False  # fp8: the same for FC2 (its A rows from the E4M3 act's tile image). Measured slower: its routed
 # tiles 1.50 ms vs 1.44 on the register-A FC2 at T = 4096 (12 stages of K a CTA: the per-CTA start and epilogue show)
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
@@ -134,14 +136,15 @@ def check_precision(precision: str | None, name: str = "precision") -> str:
     return p
 
 
-def ws_specs(precision: str | None, hidden: int, inter: int) -> tuple[CudaKernelSpec, ...]:
-    """The warp-specialized kernels' specs (and their tile image's) where :data:`WS_FC1` / :data:`WS_FC2` run them:
-    fp8 without PROMOTE, H and I they take."""
+def ws_specs(precision: str | None, hidden: int, inter: int, shared_inter: int = 0) -> tuple[CudaKernelSpec, ...]:
+    """The warp-specialized kernels' specs (and their tile image's) where :data:`WS_FC1` / :data:`WS_FC2` /
+    :data:`WS_SHARED_FC2` run them: fp8 without PROMOTE, H, I and the shared expert's S (0: none) they take."""
     if check_precision(precision) != "fp8" or PROMOTE:
         return ()
     fc1 = WS_FC1 and ws.supports(hidden, inter)
-    return (*((ws.fc1_spec(),) if fc1 else ()), *((ws.fc2_spec(),) if WS_FC2 else ()),
-            *((ws.image_spec(),) if (fc1 and ws.TBULK) or WS_FC2 else ()))
+    fc2 = WS_FC2 or (shared_inter > 0 and WS_SHARED_FC2 and hidden % 256 == 0 and shared_inter % ws.KS == 0)
+    return (*((ws.fc1_spec(),) if fc1 else ()), *((ws.fc2_spec(),) if fc2 else ()),
+            *((ws.image_spec(),) if (fc1 and ws.TBULK) or fc2 else ()))
 
 
 def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
@@ -239,21 +242,23 @@ def _packed_shared(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return derived(w.data, _TAG, lambda: _mx_codes(w.data)), derived(w.scale, _TAG, lambda: _mx_scales(w.scale))
 
 
-def _ws_shared(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The warp-specialized FC1's (image, row scales) of the shared expert's w13 (:func:`moe_prefill_ws.shared_image`),
-    built once per version of its codes and scales."""
-    return derived(w.data, _ws_shared_tag(w), lambda: ws.shared_image(w))  # type: ignore[return-value]
-
-
-def _ws_shared_tag(w: MXFP8Tensor) -> str:
-    """:func:`_ws_shared`'s tag on the codes: it names the scales' version, so a change of either rebuilds it."""
-    return f"{_WS_SHARED_TAG} {w.scale._version}"
+def _ws_shared(w: MXFP8Tensor, gate_up: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The warp-specialized kernels' (image, row scales) of the shared expert's w13 (``gate_up``) or w2
+    (:func:`moe_prefill_ws.shared_image`), built once per version of its codes and scales."""
+    return derived(w.data, _WS_SHARED_TAG, lambda: ws.shared_image(w, gate_up), also=(w.scale,))
 
 
 def _ws_shared_on(fp8: bool, hidden: int, inter: int, shared_w13: Any) -> bool:
     """Whether this call's shared FC1 tiles run on the warp-specialized FC1 (:data:`WS_SHARED`)."""
     return (fp8 and WS_FC1 and WS_SHARED and ws.TBULK and not PROMOTE and shared_w13 is not None
             and ws.supports(hidden, inter) and (shared_w13.shape[0] // 2) % ws.COLS == 0)
+
+
+def _ws_shared_fc2_on(fp8: bool, hidden: int, shared_w2: Any) -> bool:
+    """Whether this call's shared FC2 tiles run on the warp-specialized FC2 (:data:`WS_SHARED_FC2`; H a multiple of
+    256 and S of 128 as :func:`supported` already asks)."""
+    return fp8 and WS_SHARED_FC2 and not PROMOTE and shared_w2 is not None and hidden % 256 == 0 \
+        and shared_w2.shape[1] % ws.KS == 0
 
 
 def _k_order_key(device: torch.device, k: int) -> tuple:
@@ -278,8 +283,11 @@ def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: 
     ok = ok and mp.nvfp4_row_scales_ready(w13, (e, two_i)) and mp.nvfp4_row_scales_ready(w2, (e, h))
     for w in (shared_w13, shared_w2):
         ok = ok and (w is None or (derived_ready(w.data, _TAG) and derived_ready(w.scale, _TAG)))
-    if _ws_shared_on(check_precision(precision) == "fp8", h, two_i // 2, shared_w13):
-        ok = ok and derived_ready(shared_w13.data, _ws_shared_tag(shared_w13))
+    fp8 = check_precision(precision) == "fp8"
+    if _ws_shared_on(fp8, h, two_i // 2, shared_w13):
+        ok = ok and derived_ready(shared_w13.data, _WS_SHARED_TAG, also=(shared_w13.scale,))
+    if _ws_shared_fc2_on(fp8, h, shared_w2):
+        ok = ok and derived_ready(shared_w2.data, _WS_SHARED_TAG, also=(shared_w2.scale,))
     return ok
 
 
@@ -386,14 +394,29 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows), fc1_args)
     if fp8:  # (register-A FC1 writes act in the fp8 K order and its FC2 reads that; the ws kernels the natural one)
         runner(quant[0], (p,), [act, act8, a_s, i, int(ws_fc1 != ws_fc2)])
-    fc2_args = [act8, sact, a_s, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, n_sh, h, i, s, e, k, slots, e2]
-    if ws_fc2:  # routed tiles on the warp-specialized kernel, shared ones here
+    ws_sh2 = n_sh > 0 and _ws_shared_fc2_on(fp8, h, shared_w2)
+    sh2 = None
+    if ws_sh2:  # the shared expert's act in E4M3 with row scales, as a tile image
+        sact8 = torch.empty((t, s), dtype=torch.uint8, device=x.device)
+        sas = torch.empty((t,), dtype=torch.float32, device=x.device)
+        if mp.POISON_WORKSPACES:
+            sact8.fill_(0x7F)
+            sas.fill_(float("nan"))
+        runner(quant[0], (t,), [sact, sact8, sas, s, 0])
+        st = ws.token_image(sact8, order[:0], offs, 1, shared=True, runner=runner)
+        sh2 = (st, sas, *_ws_shared(shared_w2, gate_up=False))
+    fc2_args = [act8, sact, a_s, order, wts, offs, c2, s2, g2, sc2, ss2, y, t, 0 if ws_sh2 else n_sh, h, i, s, e, k,
+                slots, e2]
+    if ws_fc2:  # routed tiles on the warp-specialized kernel, shared ones too or here
         rows_img = ws.token_image(act8, torch.arange(p, dtype=torch.int32, device=x.device), offs, 1, runner=runner)
-        ws.fc2(act8, a_s, order, wts, offs, c2, s2, g2, y, rows_img, top_k=k, wexp=e2, runner=runner)
-        if n_sh:
+        ws.fc2(act8, a_s, order, wts, offs, c2, s2, g2, y, rows_img, top_k=k, wexp=e2, shared=sh2, runner=runner)
+        if n_sh and not ws_sh2:
             runner(fc2, (n_sh, h // rows), fc2_args)
-    else:
-        runner(fc2, (m_tiles, h // rows), fc2_args)
+    else:  # routed tiles here (and the shared ones, or those in a warp-specialized launch of their own)
+        runner(fc2, (m_tiles - (n_sh if ws_sh2 else 0), h // rows), fc2_args)
+        if ws_sh2:
+            ws.fc2(act8, a_s, order, wts, offs, c2, s2, g2, y, sh2[0], top_k=k, wexp=e2, shared=sh2, routed=False,
+                   runner=runner)
     tiles = mp._tile_options(lay, "large", False)  # the deterministic combine: moe_prefill's Triton kernel
     runner(mp._specs(lay, tiles, upcast=False)[2], (triton.cdiv(t, tiles.bt), h // tiles.bh), (y, ids, out, t))
     return out

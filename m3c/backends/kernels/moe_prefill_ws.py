@@ -22,8 +22,9 @@ FC1: tokens in E4M3 with one float32 scale a row in natural K order (``moe_pf_qu
 TBULK as their tile image; act out in natural column order. With TBULK its launch also takes the shared expert's
 FC1 (session 28): ceil(T / 128) more tiles of the image (the tokens in order), whose B is the shared weight
 re-encoded to E4M3 on a power-of-two scale a row (:func:`shared_image`, made once a weight version) and bulk-copied
-a stage with the A rows (no decode); its act [T, S] goes to FC2's register-A shared tiles. The whole fp8 prefill
-4.42 -> 4.14 ms at T = 4096, 16.8 -> 15.7 at 16384 (RESULTS.md, session 28). FC2: act in E4M3 with row scales (sorted-pair rows, natural K order) and its tile image; y
+a stage with the A rows (no decode); its act [T, S] bf16 goes to FC2. The whole fp8 prefill 4.42 -> 4.14 ms at T =
+4096, 16.8 -> 15.7 at 16384 (RESULTS.md, session 28). FC2 takes the shared expert's items the same way (its act
+quantized to E4M3 rows and imaged, its w2 re-encoded; K = S), with the routed items or in a launch of their own. FC2: act in E4M3 with row scales (sorted-pair rows, natural K order) and its tile image; y
 [T, slots, H] out. Weights: moe_cuda's prepacked NVFP4 copy (:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`),
 whose lane (g, j) holds rows g, g + 8 at K 16 j .. 16 j + 15 of each 64-K chunk — one 16-byte E4M3 row chunk each,
 written where B's K-major core matrices want them.
@@ -62,7 +63,8 @@ def smem_bytes(stages: int, raw: int, tbulk: bool = False) -> int:
 
 _ARGS = {"moe_ws_fc1": "*xq *xs *order *offs *rcode *rscale *rrow *act *xt *sb *srow *sact T H I S E topk wexp ntiles "
                        "nsh",
-         "moe_ws_fc2": "*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt H I E topk slots wexp ntiles"}
+         "moe_ws_fc2": "*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt *st *sas *sb *srow T H I S E topk slots "
+                       "wexp ntiles nsh"}
 
 
 def fc1_spec() -> CudaKernelSpec:
@@ -123,32 +125,38 @@ def image_shape(pairs: int, experts: int, k: int, shared_rows: int = 0) -> tuple
 B_BYTES = 8 * (2 * COLS * 16 + 32)  # a stage's B buffer: 8 K chunks of 16 bytes x 256 MMA columns, each padded by 32
 
 
-def shared_image(w: MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared expert's FC1 weight [2S, H] (MXFP8: E4M3 codes, an E8M0 scale a 32-K block) as FC1's shared items
-    bulk-copy it: (image, row scales). Each row is re-encoded on one power-of-two scale, 2^(emax - 127) with emax
-    its largest block exponent among blocks holding a nonzero code (float32 [2S], gate rows then up; 2^0 for an
-    all-zero row, NaN where that block's scale is E8M0's NaN): code x 2^(e - emax) rounded to E4M3, exact where the
-    value stays within E4M3's normals (>= 2^-6 x the row scale), else rounded to its subnormal step (an error <=
-    2^-10 x the row scale: values > 2^14 below the row's largest, in blocks under it). The image, uint8 [S / 128, H / 128 x B_BYTES]: row block rb's stage s is
-    the B buffer of its 128 gate and 128 up rows (MMA column 16 m + r: gate column 8 m + r, 16 m + 8 + r: its up
-    row), 128 K in 8 chunks of 16 (column n's bytes at chunk kc, 16 n; 32 bytes of zeros after each chunk)."""
-    two_s, h = w.data.shape
-    if two_s % (2 * COLS) or h % KS or w.data.dtype != torch.float8_e4m3fn or w.scale.shape != (two_s, h // 32):
-        raise ShapeError(f"moe_prefill_ws.shared_image: need float8_e4m3fn [2S, H] codes with S a multiple of {COLS} "
-                         f"and H of {KS}, scales [2S, H / 32]; got {w.data.dtype} {tuple(w.data.shape)}, "
-                         f"{tuple(w.scale.shape)}")
-    s, nst, nrb = two_s // 2, h // KS, two_s // (2 * COLS)
-    codes = w.data.float().view(two_s, h // 32, 32)
+def shared_image(w: MXFP8Tensor, gate_up: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared expert's FC1 weight [2S, H] (``gate_up``; else its FC2 weight [H, S]; MXFP8: E4M3 codes, an E8M0
+    scale a 32-K block) as the kernels' shared items bulk-copy it: (image, row scales).
+
+    Each row is re-encoded on one power-of-two scale, 2^(emax - 127) with emax its largest block exponent among blocks
+    holding a nonzero code (float32 [N]; 2^0 for an all-zero row, NaN where that block's scale is E8M0's NaN): code x
+    2^(e - emax) rounded to E4M3, exact where the value stays within E4M3's normals (>= 2^-6 x the row scale), else
+    rounded to its subnormal step (an error <= 2^-10 x the row scale: values > 2^14 below the row's largest, in
+    blocks under it). The image, uint8 [N / 256, K / 128 x B_BYTES] for the [N, K] weight: row block rb's stage s is
+    a B buffer, 128 K in 8 chunks of 16 (MMA column n's bytes at chunk kc, 16 n; 32 zero bytes after each chunk); its
+    256 MMA columns are FC1's 128 gate and 128 up rows (column 16 m + r: gate row 128 rb + 8 m + r, 16 m + 8 + r: its
+    up row), or FC2's rows 256 rb + n."""
+    rows_n, k = w.data.shape  # (FC1: 2S, H; FC2: H, S)
+    if rows_n % (2 * COLS) or k % KS or w.data.dtype != torch.float8_e4m3fn or w.scale.shape != (rows_n, k // 32):
+        raise ShapeError(f"moe_prefill_ws.shared_image: need float8_e4m3fn [N, K] codes with N a multiple of "
+                         f"{2 * COLS} and K of {KS} ([2S, H] or [H, S]), scales [N, K / 32]; got {w.data.dtype} "
+                         f"{tuple(w.data.shape)}, {tuple(w.scale.shape)}")
+    nst, nrb = k // KS, rows_n // (2 * COLS)
+    codes = w.data.float().view(rows_n, k // 32, 32)
     e = w.scale.view(torch.uint8).to(torch.int32)
     emax = torch.where((codes != 0).any(-1), e, -1).amax(-1)
     emax = torch.where(emax < 0, 127, emax)
     shift = torch.ldexp(torch.ones_like(codes[..., 0]), (e - emax[:, None]).clamp(-60, 0))
-    q = (codes * shift[..., None]).view(two_s, h).to(torch.float8_e4m3fn).view(torch.uint8)
-    srow = torch.ldexp(torch.ones(two_s, device=q.device), emax - 127)
+    q = (codes * shift[..., None]).view(rows_n, k).to(torch.float8_e4m3fn).view(torch.uint8)
+    srow = torch.ldexp(torch.ones(rows_n, device=q.device), emax - 127)
     srow = torch.where(emax == 255, torch.full_like(srow, float("nan")), srow)
     n = torch.arange(2 * COLS, device=q.device)
-    rows = (n // 16) * 8 + n % 8 + s * ((n % 16) // 8)  # MMA column n's row in row block 0
-    g = q[torch.arange(nrb, device=q.device)[:, None] * COLS + rows]  # [rb, n, H]
+    if gate_up:  # MMA column n's row in row block rb: rb x step + rows[n]
+        rows, step = (n // 16) * 8 + n % 8 + rows_n // 2 * ((n % 16) // 8), COLS
+    else:
+        rows, step = n, 2 * COLS
+    g = q[torch.arange(nrb, device=q.device)[:, None] * step + rows]  # [rb, n, K]
     img = torch.zeros(nrb, nst, 8, 2 * COLS * 16 + 32, dtype=torch.uint8, device=q.device)
     img[..., :2 * COLS * 16] = g.view(nrb, 2 * COLS, nst, 8, 16).permute(0, 2, 3, 1, 4).reshape(nrb, nst, 8, -1)
     return img.view(nrb, nst * B_BYTES), srow
@@ -188,7 +196,7 @@ def token_image(xq: torch.Tensor, order: torch.Tensor, offs: torch.Tensor, top_k
     if img.shape != shape or img.dtype != torch.uint8 or not img.is_contiguous() or img.device != xq.device:
         raise ShapeError(f"moe_prefill_ws.token_image: out must be a contiguous uint8 {list(shape)} tensor on "
                          f"{xq.device}, got {img.dtype} {tuple(img.shape)} on {img.device}")
-    if p:
+    if img.shape[0]:
         runner(image_spec(), (img.shape[0], min(h // KS, IMAGE_SPLIT)),
                [xq, order, offs, img, h, e, top_k, max_tiles(p, e), t])
     return img
@@ -218,6 +226,9 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
         ("xq", xq, torch.uint8), ("xs", xs, torch.float32), ("order", order, torch.int32),
         ("offs", offs, torch.int32), ("rrow", rrow, torch.float32), ("act", act, torch.bfloat16)))
     sb, srow, sact = shared if shared is not None else (xq, xs, act)
+    if shared is not None and (sb.dim(), srow.dim(), sact.dim()) != (2, 1, 2):
+        raise ShapeError(f"{where}: the shared expert's image, srow and act must be 2-D, 1-D and 2-D tensors, got "
+                         f"{sb.dim()}-D, {srow.dim()}-D, {sact.dim()}-D")
     s = sact.shape[1] if shared is not None else 0
     if shared is not None:
         if not TBULK:
@@ -249,23 +260,27 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
 
 def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.Tensor, offs: torch.Tensor,
         rcode: torch.Tensor, rscale: torch.Tensor, rrow: torch.Tensor, y: torch.Tensor, xt: torch.Tensor, *,
-        top_k: int, wexp: int, runner: Runner = jit_run) -> torch.Tensor:
+        top_k: int, wexp: int, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        routed: bool = True, runner: Runner = jit_run) -> torch.Tensor:
     """y[pair / top_k, pair % top_k] = (act[p] . W2[e]) x rrow[e] x wts[pair] for every sorted pair p (pair =
     order[p]) of the routed experts: act8 [T * top_k, I] E4M3 codes (uint8, natural K order, sorted-pair rows) with
     row scales a_s; xt its :func:`token_image` (rows = pairs: order arange, top_k 1); wts the flat [T * top_k]
     routing weights; (rcode, rscale) moe_cuda's prepacked w2 [E, H, I], rrow (E x H float32) its per-row tensor
-    scales, wexp its fp8 exponent; y [T, slots, H] bf16 (the routed slots written; slots > top_k leaves the rest)."""
+    scales, wexp its fp8 exponent; y [T, slots, H] bf16 (the routed slots written; slots > top_k leaves the rest).
+    ``shared`` = (st, sas, image, srow): also y[:, top_k] = the shared expert's FC2 in the same launch, from its E4M3
+    act [T, S] as a tile image st (``token_image(sact8, order[:0], offs, 1, shared=True)``) with row scales sas [T],
+    and its w2's :func:`shared_image` (``gate_up=False``: image, srow). ``routed=False``: the shared items only."""
     p, inter = act8.shape
     t, slots, h = y.shape
     e = offs.numel() - 1
     shape = image_shape(p, e, inter)
-    tiles = shape[0]
+    tiles = shape[0] if routed else 0
     where = f"moe_prefill_ws.fc2: act8 {tuple(act8.shape)}, y {tuple(y.shape)}"
-    if h % 256 or inter % 256 or p != t * top_k or slots < top_k:
+    if h % 256 or inter % 256 or p != t * top_k or slots < top_k + (shared is not None):
         raise ShapeError(f"{where}, top_k {top_k}: H and I must be multiples of 256, act8 [T * top_k, I], y [T, "
-                         f">= top_k, H]")
+                         f">= top_k, H] (> top_k with the shared expert)")
     if a_s.shape != (p,) or wts.shape != (p,) or order.shape != (p,) or rrow.numel() != e * h \
-            or xt.shape != shape:
+            or (routed and xt.shape != shape):
         raise ShapeError(f"{where}: a_s, wts and order must be [{p}], rrow E x H, xt {list(shape)} "
                          f"(token_image); got {tuple(a_s.shape)}, {tuple(wts.shape)}, {tuple(order.shape)}, "
                          f"{tuple(rrow.shape)}, {tuple(xt.shape)}")
@@ -273,7 +288,24 @@ def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.T
         ("act8", act8, torch.uint8), ("a_s", a_s, torch.float32), ("order", order, torch.int32),
         ("wts", wts, torch.float32), ("offs", offs, torch.int32), ("rrow", rrow, torch.float32),
         ("y", y, torch.bfloat16), ("xt", xt, torch.uint8)))
-    if p:
-        runner(fc2_spec(), grid(tiles * (h // 256), y.device), [act8, a_s, order, wts, offs, rcode, rscale, rrow, y,
-                                                                 xt, h, inter, e, top_k, slots, wexp, tiles])
+    st, sas, sb, srow = shared if shared is not None else (xt, a_s, xt, a_s)
+    if shared is not None and (st.dim(), sas.dim(), sb.dim(), srow.dim()) != (2, 1, 2, 1):
+        raise ShapeError(f"{where}: the shared expert's st, sas, w2 image and srow must be 2-D, 1-D, 2-D and 1-D "
+                         f"tensors, got {st.dim()}-D, {sas.dim()}-D, {sb.dim()}-D, {srow.dim()}-D")
+    s = sb.shape[1] // B_BYTES * KS if shared is not None else 0
+    nsh = -(-t // BT) if shared is not None else 0
+    if shared is not None:
+        if s == 0 or sb.shape != (h // (2 * COLS), s // KS * B_BYTES) or sas.shape != (t,) or srow.shape != (h,) \
+                or st.shape != (nsh, s * BT):
+            raise ShapeError(f"{where}: the shared expert's w2 image must be [H / 256, S / 128 x {B_BYTES}] "
+                             f"(shared_image(w2, gate_up=False)), sas [T], srow [H], st [ceil(T / 128), S x 128] "
+                             f"(token_image of its E4M3 act); got {tuple(sb.shape)}, {tuple(sas.shape)}, "
+                             f"{tuple(srow.shape)}, {tuple(st.shape)}")
+        _check_tensors("moe_prefill_ws.fc2", y.device, (
+            ("the shared image", sb, torch.uint8), ("st", st, torch.uint8), ("sas", sas, torch.float32),
+            ("srow", srow, torch.float32)))
+    if p and tiles + nsh:
+        runner(fc2_spec(), grid((tiles + nsh) * (h // 256), y.device),
+               [act8, a_s, order, wts, offs, rcode, rscale, rrow, y, xt, st, sas, sb, srow, t, h, inter, s, e, top_k,
+                slots, wexp, tiles, nsh])
     return y

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_moe_prefill import _problem, _to
-from test_moe_prefill_cuda import _e4m3_rescaled, _e4m3_rows, _e4m3_weights, _swiglu_bf16
+from test_moe_prefill_cuda import _bf16, _e4m3_rescaled, _e4m3_rows, _e4m3_weights, _swiglu_bf16
 
 from m3c.backends.cuda_aot import SOURCE_DIR, compile_cuda, disassemble, find_nvcc
 from m3c.backends.kernels import moe_cuda
@@ -62,20 +62,21 @@ def test_builds_for_sm90a_with_smem_wgmma_and_mbarriers(build: tuple[int, ...],
                               str(SOURCE_DIR / ws.SOURCE)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "serializ" not in res.stderr, res.stderr[-2000:]
-    # spills per kernel: none in FC1 and the image kernel; FC2's consumers keep 2 words of their work-item state on
-    # the stack (stored at an item's start, loaded at its end: outside the stage loop)
+    # spills per kernel: none in the image kernel; FC1 and FC2 keep at most 2 words of their work-item state on the
+    # stack (stored at an item's start, loaded after its tile search: outside the stage loops; SASS read, session 28)
     spills = dict(re.findall(r"entry function '(\w+)'.*?(\d+) bytes spill stores", res.stderr, re.S))
-    assert spills == {"moe_ws_image": "0", "moe_ws_fc1": "0", "moe_ws_fc2": spills["moe_ws_fc2"]}, res.stderr[-2000:]
-    assert int(spills["moe_ws_fc2"]) <= 8, res.stderr[-2000:]
+    assert spills.keys() == {"moe_ws_image", "moe_ws_fc1", "moe_ws_fc2"} and spills["moe_ws_image"] == "0"
+    assert int(spills["moe_ws_fc1"]) <= 8 and int(spills["moe_ws_fc2"]) <= 8, res.stderr[-2000:]
 
 
 def test_fc2_builds_for_sm90a_and_checks_its_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FC2: the same SS wgmma loop with its A rows by one bulk copy a stage (its spills: the build test); bad shapes
-    and dtypes named; the grid a tile of 128 sorted pairs x 256 output rows, or at most a CTA an SM with PERSIST."""
+    """FC2: the same SS wgmma loop with its A rows by one bulk copy a stage (a shared-expert stage's A and B by two;
+    its spills: the build test); bad shapes and dtypes named; the grid a tile of 128 sorted pairs x 256 output rows,
+    or at most a CTA an SM with PERSIST; the shared expert's items after the routed ones, or alone."""
     spec = ws.fc2_spec()
     assert spec.kernel == "moe_ws_fc2" and ("TBULK", 1) in spec.defines
     sass = _function_sass(spec)
-    assert sass.count("QGMMA.64x256x32.F32.E4M3.E4M3") == 4 and sass.count("UBLKCP") == 1
+    assert sass.count("QGMMA.64x256x32.F32.E4M3.E4M3") == 4 and sass.count("UBLKCP") == 3
     u8, i32 = torch.uint8, torch.int32
     t, k, e, h, i = 4, 2, 3, 512, 256
     p = t * k
@@ -87,11 +88,32 @@ def test_fc2_builds_for_sm90a_and_checks_its_inputs(monkeypatch: pytest.MonkeyPa
     assert ws.fc2(*args, top_k=k, wexp=1, runner=lambda *a: calls.append(a)) is args[8]
     [(sp, grid, launch)] = calls
     tiles = ws.max_tiles(p, e)
-    assert sp is spec and grid == (2 * tiles,) and launch[10:] == [h, i, e, k, k + 1, 1, tiles]
+    assert sp is spec and grid == (2 * tiles,) and launch[14:] == [t, h, i, 0, e, k, k + 1, 1, tiles, 0]
     bad = list(args)
     bad[8] = torch.zeros(t, k - 1, h, dtype=torch.bfloat16)
     with pytest.raises(ShapeError, match=r"y \[T, >= top_k, H\]"):
         ws.fc2(*bad, top_k=k, wexp=1)
+    s = 384  # the shared expert's items: S / 128 = 3 stages, ceil(4 / 128) = 1 tile
+    sh = (torch.zeros(1, s * 128, dtype=u8), torch.zeros(t), torch.zeros(h // 256, 3 * ws.B_BYTES, dtype=u8),
+          torch.zeros(h))
+    for routed in (True, False):
+        calls.clear()
+        ws.fc2(*args, top_k=k, wexp=1, shared=sh, routed=routed, runner=lambda *a: calls.append(a))
+        [(_, grid, launch)] = calls
+        n = tiles * routed
+        assert grid == (2 * (n + 1),) and launch[10:14] == list(sh) and launch[14:] == [t, h, i, s, e, k, k + 1, 1, n, 1]
+    for j, v in enumerate(sh):  # each shared tensor's shape and dtype checked
+        bad_sh = list(sh)
+        bad_sh[j] = v[..., :-1] if v.dim() == 2 else v[1:]
+        with pytest.raises(ShapeError, match="the shared expert's w2 image must be"):
+            ws.fc2(*args, top_k=k, wexp=1, shared=tuple(bad_sh))
+        bad_sh[j] = v.double()
+        with pytest.raises(ShapeError, match="must be a contiguous"):
+            ws.fc2(*args, top_k=k, wexp=1, shared=tuple(bad_sh))
+    bad = list(args)
+    bad[8] = torch.zeros(t, k, h, dtype=torch.bfloat16)  # no slot for the shared expert
+    with pytest.raises(ShapeError, match=r"> top_k with the shared expert"):
+        ws.fc2(*bad, top_k=k, wexp=1, shared=sh)
     bad = list(args)
     bad[9] = args[9][1:]
     with pytest.raises(ShapeError, match=r"xt \[4, 32768\] \(token_image\)"):
@@ -168,10 +190,11 @@ def test_token_image_puts_each_sorted_pair_where_the_a_buffer_wants_it_gpu(split
     assert torch.equal(img.cpu(), _image_model(xq.cpu(), order.cpu(), offs.cpu(), k, shared))
 
 
-def _shared_image_model(w: quant.MXFP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _shared_image_model(w: quant.MXFP8Tensor, gate_up: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """shared_image by loops: each row's scale the largest 2^(e - 127) of its blocks holding a nonzero code (1 for
     an all-zero row), its values over it in E4M3; row block rb's stage s, K chunk kc: MMA column n's 16 bytes at
-    16 n (column 16 m + r: gate row 128 rb + 8 m + r, 16 m + 8 + r: the up row S on), 32 zero bytes after."""
+    16 n (column 16 m + r: gate row 128 rb + 8 m + r, 16 m + 8 + r: the up row S on; FC2: row 256 rb + n), 32 zero
+    bytes after."""
     v = quant.mxfp8_dequantize(w).double()
     two_s, h = v.shape
     s = two_s // 2
@@ -184,7 +207,7 @@ def _shared_image_model(w: quant.MXFP8Tensor) -> tuple[torch.Tensor, torch.Tenso
     img = torch.zeros(s // 128, h // 128, 8, 256 * 16 + 32, dtype=torch.uint8)
     for rb in range(s // 128):
         for n in range(256):
-            row = (n % 16 >= 8) * s + 128 * rb + 8 * (n // 16) + n % 8
+            row = (n % 16 >= 8) * s + 128 * rb + 8 * (n // 16) + n % 8 if gate_up else 256 * rb + n
             img[rb, :, :, 16 * n:16 * n + 16] = q[row].view(h // 128, 8, 16)
     return img.view(s // 128, -1), srow.float()
 
@@ -219,8 +242,12 @@ def test_shared_image_reencodes_each_row_on_one_scale_where_fc1_wants_it(rng: to
     normal = v.abs() >= 2.0**-6 * rs  # (E4M3's normals: exact; below, its subnormal step 2^-9 x the row scale)
     assert torch.equal(dec[normal], v[normal]) and bool(((dec - v).abs() <= 2.0**-10 * rs).all())
     assert not torch.equal(dec[7, 64:96], v[7, 64:96]) and float(dec[7, 64:96].abs().max()) <= 2.0**-6 * float(rs[7])
-    with pytest.raises(ShapeError, match="S a multiple of 128"):
+    with pytest.raises(ShapeError, match="N a multiple of 256"):
         ws.shared_image(quant.mxfp8_quantize(torch.randn(2 * 192, h, generator=rng)))
+    w2 = quant.mxfp8_quantize(torch.randn(512, 256, generator=rng))  # FC2's [H, S]: rows in order
+    img2, srow2 = ws.shared_image(w2, gate_up=False)
+    want2, want_row2 = _shared_image_model(w2, gate_up=False)
+    assert img2.shape == (2, 2 * ws.B_BYTES) and torch.equal(img2, want2) and torch.equal(srow2, want_row2)
 
 
 def test_rejects_bad_builds_and_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,3 +394,41 @@ def test_fc1_shared_items_match_their_model_gpu(t: int, h: int, inter: int, e: i
     alone = torch.full_like(act, float("nan"))
     ws.fc1(xq, xs, order, offs, c13, s13, g13, alone, top_k=k, wexp=wexp, xt=ws.token_image(xq, order, offs, k))
     assert torch.equal(alone, act)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persist", [False, True])
+@pytest.mark.parametrize("t, h, inter, e, k, s", [(300, 512, 256, 8, 2, 384), (1000, 6144, 1536, 64, 8, 1536)])
+def test_fc2_shared_items_match_their_model_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, persist: bool,
+                                                rng: torch.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FC2's shared-expert items (a partial last tile; S unlike I): alone they write y[:, top_k] only (the routed
+    slots stay NaN), within the E4M3 accumulator's loss of the float64 model (E4M3 act rows x its re-encoded E4M3
+    rows); with the routed items in one launch each slot is bitwise what the separate launches wrote."""
+    monkeypatch.setattr(ws, "PERSIST", persist)
+    _, ids, wts, _, w2, _, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng, empty=1)
+    ids, wts, w2, sh2 = _to(ids, "cuda"), _to(wts, "cuda").reshape(-1).contiguous(), _to(w2, "cuda"), _to(sh2, "cuda")
+    order, offs = mp.checked_permutation(None, ids.long(), e)
+    c2, s2 = moe_cuda.packed_pair(w2)
+    g2 = mp.nvfp4_row_scales(w2, (e, h), "w2")
+    quant_spec, p = pc.specs("fp8")[2], t * k
+    act = torch.randn(p, inter, generator=rng).bfloat16().cuda()
+    sact = torch.randn(t, s, generator=rng).bfloat16().cuda()
+    act8, a_s = torch.empty(p, inter, dtype=torch.uint8, device="cuda"), torch.empty(p, device="cuda")
+    sact8, sas = torch.empty(t, s, dtype=torch.uint8, device="cuda"), torch.empty(t, device="cuda")
+    jit_run(quant_spec, (p,), [act, act8, a_s, inter, 0])
+    jit_run(quant_spec, (t,), [sact, sact8, sas, s, 0])
+    xt = ws.token_image(act8, torch.arange(p, dtype=torch.int32, device="cuda"), offs, 1)
+    st = ws.token_image(sact8, order[:0], offs, 1, shared=True)
+    sh = (st, sas, *ws.shared_image(sh2, gate_up=False))
+    wexp = pc.fp8_exponent(w2)
+    run = [act8, a_s, order, wts, offs, c2, s2, g2]
+    alone = torch.full((t, k + 1, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ws.fc2(*run, alone, st, top_k=k, wexp=wexp, shared=sh, routed=False)
+    assert torch.isnan(alone[:, :k]).all() and torch.isfinite(alone[:, k]).all()
+    model = _bf16(_e4m3_rows(sact) @ _e4m3_rescaled(sh2).t())
+    rel = float((alone[:, k].double() - model).norm() / model.norm())
+    assert rel < 3e-2, rel
+    ws.fc2(*run, alone, xt, top_k=k, wexp=wexp)  # the routed slots by a launch of their own
+    both = torch.full_like(alone, float("nan"))
+    ws.fc2(*run, both, xt, top_k=k, wexp=wexp, shared=sh)
+    assert torch.isfinite(both).all() and torch.equal(both, alone)

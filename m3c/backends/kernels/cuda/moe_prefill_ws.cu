@@ -116,19 +116,20 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int r, int& ex
 // buffer's image, 16 KiB at (r K / KS + s) 16 KiB: K chunk kc (16 bytes) of tile row n at kc 2048 + 16 n
 // (moe_prefill_ws.token_image).
 // Work items: (tile, row block) pairs, item i = tile i % (ntiles + nsh) of row block i / (ntiles + nsh) (ntiles: the
-// grid's bound on routed tiles, items past the last are skipped; nsh: FC1's shared-expert tiles, none for FC2). A CTA takes items blockIdx.x, + gridDim.x, ..: one each when the grid
-// covers them all, several when it is persistent; the stage ring and its barrier phases run on across items, so
+// grid's bound on routed tiles, items past the last are skipped; nsh: the shared expert's tiles, TBULK only). A CTA
+// takes items blockIdx.x, + gridDim.x, ..: one each when the grid covers them all, several when it is persistent; the stage ring and its barrier phases run on across items, so
 // the producer fills the next item's first stages while the consumers store the last one's results.
 template <int FC2>
 __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int* order, const float* wts,
                                         const int* offs, const u8* rcode, const u8* rscale, const float* rrow,
                                         u16* out, const u8* xt, int H, int I, int E, int topk, int slots, int wexp,
-                                        int ntiles, const u8* sb, const float* srow, u16* sact, int T, int S,
-                                        int nsh) {
+                                        int ntiles, const u8* st, const float* sxs, const u8* sb, const float* srow,
+                                        u16* sact, int T, int S, int nsh) {
   extern __shared__ __align__(128) u8 smem[];
   __shared__ __align__(8) unsigned long long bars[2 * STAGES];
-  // tiles 0 .. ntiles - 1: the routed experts' (a bound: those past the last are skipped); FC1 with TBULK also
-  // ntiles .. ntiles + nsh - 1: the shared expert's, 128 tokens each, B bulk-copied from its E4M3 image sb
+  // tiles 0 .. ntiles - 1: the routed experts' (a bound: those past the last are skipped); with TBULK also ntiles ..
+  // ntiles + nsh - 1: the shared expert's, 128 rows each (FC1: tokens, FC2: its act [T, S]) from their image st with
+  // row scales sxs, B bulk-copied from its E4M3 image sb (rows scaled by srow); its K: FC1 H, FC2 S
   const int tid = threadIdx.x, K = FC2 ? I : H, ntt = ntiles + nsh;
   const int items = ntt * (FC2 ? H / 256 : max(I, nsh ? S : 0) / 128);
   const float up2 = __uint_as_float((u32)(127 + wexp) << 23);
@@ -160,15 +161,17 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const int rb = item / ntt, ti = item % ntt;
       const u8* xtile = xt + (long)ti * nst * A_BYTES;  // TBULK: this tile's image
-      if (!FC2 && TBULK && ti >= ntiles) {  // a shared-expert item: its A rows and E4M3 B by two bulk copies a stage
-        if (rb * 128 >= S) continue;
-        const u8* bimg = sb + (long)rb * nst * B_BYTES;
-        for (int s = 0; s < nst; ++s, ++gs) {
+      if (TBULK && ti >= ntiles) {  // a shared-expert item: its A rows and E4M3 B by two bulk copies a stage
+        if (!FC2 && rb * 128 >= S) continue;
+        const int snst = FC2 ? S / KS : nst;
+        const u8* aimg = st + (long)(ti - ntiles) * snst * A_BYTES;
+        const u8* bimg = sb + (long)rb * snst * B_BYTES;
+        for (int s = 0; s < snst; ++s, ++gs) {
           const int slot = gs % STAGES;
           mbar_wait(empty0 + 8 * slot, ((gs / STAGES) & 1) ^ 1);
           if (pt == 0) {
             mbar_arrive_tx(full0 + 8 * slot, A_BYTES + B_BYTES);
-            bulk_g2s(abase + slot * A_BYTES, xtile + (long)s * A_BYTES, A_BYTES, full0 + 8 * slot);
+            bulk_g2s(abase + slot * A_BYTES, aimg + (long)s * A_BYTES, A_BYTES, full0 + 8 * slot);
             bulk_g2s(bbase + slot * B_BYTES, bimg + (long)s * B_BYTES, B_BYTES, full0 + 8 * slot);
           }
           mbar_arrive(full0 + 8 * slot);
@@ -286,10 +289,10 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
   int gs = 0;  // stages consumed, over all items
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int rb = item / ntt, ti = item % ntt;
-    const bool shr = !FC2 && TBULK && ti >= ntiles;  // a shared-expert item (the producer's test)
+    const bool shr = TBULK && ti >= ntiles;  // a shared-expert item (the producer's test)
     int expert = 0, p0, count;
     if (shr) {
-      if (rb * 128 >= S) continue;
+      if (!FC2 && rb * 128 >= S) continue;
       p0 = (ti - ntiles) * BT;
       count = min(BT, T - p0);
     } else if ((!FC2 && rb * 128 >= I) || !find_tile(offs, E, ti, expert, p0, count)) {
@@ -303,7 +306,8 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
       const int tk = 64 * cw + r + 8 * h;
       if (tk < count) {
         if (shr) {
-          csc[h] = xs[p0 + tk];
+          csc[h] = sxs[p0 + tk];
+          if (FC2) yrow[h] = (p0 + tk) * slots + topk;  // the shared expert's slot
         } else {
           const int pair = order[p0 + tk], tok = pair / topk;
           csc[h] = FC2 ? xs[p0 + tk] * up2 * wts[pair] : xs[tok] * up2;
@@ -314,7 +318,7 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    for (int s = 0; s < nst; ++s, ++gs) {
+    for (int s = 0, ns = FC2 && shr ? S / KS : nst; s < ns; ++s, ++gs) {
       const int slot = gs % STAGES;
       mbar_wait(full0 + 8 * slot, (gs / STAGES) & 1);
       fence_async_smem();  // the A rows' cp.async writes (without TBULK), seen through the barrier, visible to wgmma
@@ -332,7 +336,7 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
 
     if (FC2) {  // accumulator 4 q + 2 h + u: token row r + 8 h, output row 8 q + 2 j + u of the CTA's 256
       const long h0 = (long)rb * 256;
-      const float* fr = rrow + (long)expert * H + h0;
+      const float* fr = (shr ? srow : rrow + (long)expert * H) + h0;
 #pragma unroll
       for (int q = 0; q < 32; ++q) {
         const int c = 8 * q + 2 * j;
@@ -378,17 +382,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_ws_fc1(const u8* xq, const float* xs, const int* order, const int* offs, const u8* rcode, const u8* rscale,
            const float* rrow, u16* act, const u8* xt, const u8* sb, const float* srow, u16* sact, int T, int H, int I,
            int S, int E, int topk, int wexp, int ntiles, int nsh, void* scratch0, void* scratch1) {
-  ws_gemm<0>(xq, xs, order, nullptr, offs, rcode, rscale, rrow, act, xt, H, I, E, topk, 0, wexp, ntiles, sb, srow,
-             sact, T, S, nsh);
+  ws_gemm<0>(xq, xs, order, nullptr, offs, rcode, rscale, rrow, act, xt, H, I, E, topk, 0, wexp, ntiles,
+             xt + (long)ntiles * (H / KS) * A_BYTES, xs, sb, srow, sact, T, S, nsh);
 }
 
 // act8 / as: FC2's E4M3 act rows in sorted-pair order and their scales; y [T, slots, H] bf16 (slot = the pair's).
+// st / sas / sb / srow (nsh > 0): the shared expert's E4M3 act [T, S] as a tile image (nsh tiles of 128 rows, K = S)
+// and its rows' scales, its W2 [H, S] as the B image (moe_prefill_ws.shared_image: row block rb's stage s at (rb S /
+// KS + s) B_BYTES) and its rows' float32 scales [H]: y[t, topk, h] (slot topk, the last).
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 moe_ws_fc2(const u8* act8, const float* as, const int* order, const float* wts, const int* offs, const u8* rcode,
-           const u8* rscale, const float* rrow, u16* y, const u8* xt, int H, int I, int E, int topk, int slots,
-           int wexp, int ntiles, void* scratch0, void* scratch1) {
-  ws_gemm<1>(act8, as, order, wts, offs, rcode, rscale, rrow, y, xt, H, I, E, topk, slots, wexp, ntiles, nullptr,
-             nullptr, nullptr, 0, 0, 0);
+           const u8* rscale, const float* rrow, u16* y, const u8* xt, const u8* st, const float* sas, const u8* sb,
+           const float* srow, int T, int H, int I, int S, int E, int topk, int slots, int wexp, int ntiles, int nsh,
+           void* scratch0, void* scratch1) {
+  ws_gemm<1>(act8, as, order, wts, offs, rcode, rscale, rrow, y, xt, H, I, E, topk, slots, wexp, ntiles, st, sas, sb,
+             srow, nullptr, T, S, nsh);
 }
 
 // The tokens' tile image that TBULK's copies read: tile r's stage s, 16 KiB, holds K chunk kc (16 bytes, K s KS +
