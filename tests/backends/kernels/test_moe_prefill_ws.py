@@ -313,6 +313,19 @@ def test_fc1_launches_the_shared_experts_items_and_checks_them(monkeypatch: pyte
         ws.fc1(xq, xs, order, offs, xq, xq, rrow, act, top_k=k, wexp=2, shared=(img, srow, sact))
 
 
+def _fc1_inputs(x: torch.Tensor, ids: torch.Tensor, w13: quant.NVFP4Tensor) -> tuple[torch.Tensor, ...]:
+    """FC1's inputs on the GPU: the sorted pairs (order, offs), w13's prepacked copy and row scales, the E4M3 token
+    rows and their scales (moe_pf_quant, natural K order)."""
+    (t, h), e, two_i = x.shape, w13.shape[0], w13.shape[1]
+    order, offs = mp.checked_permutation(None, ids.long(), e)
+    c13, s13 = moe_cuda.packed_pair(w13)
+    g13 = mp.nvfp4_row_scales(w13, (e, two_i), "w13")
+    xq = torch.empty(t, h, dtype=torch.uint8, device="cuda")
+    xs = torch.empty(t, device="cuda")
+    jit_run(pc.specs("fp8")[2], (t,), [x.bfloat16(), xq, xs, h, 0])
+    return order, offs, c13, s13, g13, xq, xs
+
+
 def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: quant.NVFP4Tensor) -> torch.Tensor:
     """act of each sorted pair in float64, rounded as the kernel rounds (module docstring)."""
     w, xq = _e4m3_weights(w13), _e4m3_rows(x.bfloat16())
@@ -339,12 +352,7 @@ def test_fc1_matches_its_rounding_model_gpu(t: int, h: int, inter: int, e: int, 
     _set_build(monkeypatch, build)
     x, ids, _, w13, _, _, _ = _problem(t, h, inter, e, k, 0, "nvfp4", None, rng, skew=skew, empty=empty)
     x, ids, w13 = _to(x, "cuda"), _to(ids, "cuda"), _to(w13, "cuda")
-    order, offs = mp.checked_permutation(None, ids.long(), e)
-    c13, s13 = moe_cuda.packed_pair(w13)
-    g13 = mp.nvfp4_row_scales(w13, (e, 2 * inter), "w13")
-    xq = torch.empty(t, h, dtype=torch.uint8, device="cuda")
-    xs = torch.empty(t, device="cuda")
-    jit_run(pc.specs("fp8")[2], (t,), [x.bfloat16(), xq, xs, h, 0])
+    order, offs, c13, s13, g13, xq, xs = _fc1_inputs(x, ids, w13)
     xt = ws.token_image(xq, order, offs, k)
     act = torch.full((t * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
     ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=pc.fp8_exponent(w13), xt=xt)
@@ -375,12 +383,7 @@ def test_fc1_shared_items_match_their_model_gpu(t: int, h: int, inter: int, e: i
     _set_build(monkeypatch, build)
     x, ids, _, w13, _, sh13, _ = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng, skew=skew, empty=1)
     x, ids, w13, sh13 = _to(x, "cuda"), _to(ids, "cuda"), _to(w13, "cuda"), _to(sh13, "cuda")
-    order, offs = mp.checked_permutation(None, ids.long(), e)
-    c13, s13 = moe_cuda.packed_pair(w13)
-    g13 = mp.nvfp4_row_scales(w13, (e, 2 * inter), "w13")
-    xq = torch.empty(t, h, dtype=torch.uint8, device="cuda")
-    xs = torch.empty(t, device="cuda")
-    jit_run(pc.specs("fp8")[2], (t,), [x.bfloat16(), xq, xs, h, 0])
+    order, offs, c13, s13, g13, xq, xs = _fc1_inputs(x, ids, w13)
     img, srow = ws.shared_image(sh13)
     wexp = pc.fp8_exponent(w13)
     act = torch.full((t * k, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
