@@ -52,7 +52,8 @@ Since session 27 (:data:`WS_FC1`) the fp8 build's routed FC1 tiles run on that w
 tokens in natural K order and as a tile image, ``token_image``), and the quantizer puts act into the fp8 K order for
 FC2 (:data:`WS_FC2`, the same for FC2, measured slower and is off). Since session 28 (:data:`WS_SHARED`) the shared
 expert's FC1 tiles run in that launch too (E4M3 tokens, its weight re-encoded to E4M3 rows); without it they run on
-this module's FC1 in a second launch. FC2 keeps the shared expert's bf16 tiles here, beside the routed ones.
+this module's FC1 in a second launch. Its FC2 tiles (:data:`WS_SHARED_FC2`) run on the warp-specialized FC2 in a
+launch of their own (E4M3 act): the routed FC2 tiles stay here; without it the shared ones run here in bf16 too.
 """
 
 from __future__ import annotations
@@ -84,13 +85,16 @@ CTAS = 1  # CTAs an SM the kernels' registers are held to (launch bounds); their
 LUT = True  # fp8: the E4M3 product tables looked up by scale byte in a shared table built once a CTA (bitwise the
 # tables the loop would make; 4.7 vs 4.9 ms at T = 4096, RESULTS.md session 20)
 WS_FC1 = True  # fp8: the routed FC1 tiles on the warp-specialized kernel (moe_prefill_ws, tokens by bulk copies from
-# their tile image), the shared expert's on this module's FC1 in a second launch; act then re-ordered by the quantizer.
+# their tile image; the shared expert's with them under WS_SHARED, else on this module's FC1 in a second launch); act
+# then re-ordered by the quantizer.
 # The whole fp8 prefill 4.68 -> 4.48 ms at T = 4096, 17.5 -> 16.6 at 16384 (RESULTS.md, session 27)
 WS_SHARED = True  # fp8 with WS_FC1: the shared expert's FC1 tiles as extra items of the warp-specialized FC1's
 # launch, its weights re-encoded to E4M3 with a power-of-two scale a row (moe_prefill_ws.shared_image: bulk-copied, no
 # decode) and its tokens in E4M3, instead of bf16 tiles on this module's FC1 in a second launch
-WS_SHARED_FC2 = False  # fp8: the shared expert's FC2 tiles on the warp-specialized FC2 (its act in E4M3, its weight
-# re-encoded to E4M3 rows like WS_SHARED's): with the routed ones where WS_FC2 runs them, else in a launch of its own
+WS_SHARED_FC2 = True  # fp8: the shared expert's FC2 tiles on the warp-specialized FC2 (its act in E4M3, its weight
+# re-encoded to E4M3 rows like WS_SHARED's): with the routed ones where WS_FC2 runs them, else in a launch of its own.
+# The whole fp8 prefill 4.19 / 4.21 -> 3.97 / 4.02 ms at T = 4096, 15.46 / 15.67 -> 15.17 / 15.12 at 16384 (RESULTS.md,
+# session 28)
 WS_FC2 = False  # fp8: the same for FC2 (its A rows from the E4M3 act's tile image). Measured slower: its routed
 # tiles 1.50 ms vs 1.44 on the register-A FC2 at T = 4096 (12 stages of K a CTA: the per-CTA start and epilogue show)
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
@@ -309,8 +313,9 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                       precision: str | None = None) -> torch.Tensor:
     """:func:`m3c.backends.kernels.moe_prefill.moe_prefill` (same arguments and result) on the wgmma kernels: routed
     NVFP4 experts + MXFP8 (or no) shared expert, bf16 tokens; the routed tiles in ``precision`` (default
-    :data:`PRECISION`; the shared expert's are bf16 in both). The prepacked weights are built at the first call per
-    weight (outside CUDA-graph capture)."""
+    :data:`PRECISION`; the shared expert's are bf16, or for fp8 under :data:`WS_SHARED` / :data:`WS_SHARED_FC2` E4M3
+    on the warp-specialized kernels). The prepacked weights are built at the first call per weight (outside
+    CUDA-graph capture)."""
     precision = check_precision(precision)
     fp8 = precision == "fp8"
     lay = mp._layout(x, topk_ids, topk_weights, w13, w2, shared_w13, shared_w2)
