@@ -105,9 +105,8 @@ def main() -> None:
     ap.add_argument("--triton-default-only", action="store_true", help="of the Triton tilings, time the default")
     ap.add_argument("--no-wgmma", action="store_true", help="skip the CUDA C++ wgmma kernels (moe_prefill_cuda)")
     ap.add_argument("--wgmma-builds", nargs="+", default=None, metavar="BT,WGS,STAGES[,INFLIGHT[,PROMOTE[,CTAS[,XPAD[,LUT[,WS]]]]]]",
-                    help="wgmma builds to time (default: WGMMA_VARIANTS; LUT, WS (1 pc.WS_FC1 + 2 pc.WS_FC2 + 4 PERSIST + 8 "
-                         "pc.WS_SHARED + 16 pc.WS_SHARED_FC2): as "
-                         "shipped)")
+                    help="wgmma builds to time (default: WGMMA_VARIANTS; LUT, WS (1 pc.WS_FC1 + 2 pc.WS_FC2 + 4 "
+                         "PERSIST + 8 pc.WS_SHARED + 16 pc.WS_SHARED_FC2): as shipped)")
     ap.add_argument("--wgmma-precision", nargs="+", default=["bf16"], choices=pc.PRECISIONS,
                     help="routed-tile precisions of each wgmma build (fp8 builds take BT 128 or 256)")
     args = ap.parse_args()

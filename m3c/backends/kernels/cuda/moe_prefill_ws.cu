@@ -10,6 +10,8 @@
 // a RAW-deep cp.async ring) x their E4M3 scales x 2^-wexp into E4M3 (the product tables of wgmma_common.cuh) in
 // registers, then stores them to the B buffer; consumers wait on `full`, issue 4 MMAs, and release the stage on
 // `empty` when they are done. A CTA runs one item or (persistent grid) several; the ring runs on across items.
+// The shared expert's items (TBULK; session 28): its weights pre-encoded to E4M3 in the B buffer's own layout, so the
+// producer bulk-copies A and B a stage and decodes nothing (moe_prefill_ws.shared_image).
 // FC1's B N order interleaves gate and up: MMA column 16 m + r holds gate column 8 m + r, 16 m + 8 + r its up column
 // (r < 8), so a consumer lane holds the gate and up values of each of its columns (SiLU·up in registers).
 #ifndef STAGES
@@ -117,8 +119,9 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int r, int& ex
 // (moe_prefill_ws.token_image).
 // Work items: (tile, row block) pairs, item i = tile i % (ntiles + nsh) of row block i / (ntiles + nsh) (ntiles: the
 // grid's bound on routed tiles, items past the last are skipped; nsh: the shared expert's tiles, TBULK only). A CTA
-// takes items blockIdx.x, + gridDim.x, ..: one each when the grid covers them all, several when it is persistent; the stage ring and its barrier phases run on across items, so
-// the producer fills the next item's first stages while the consumers store the last one's results.
+// takes items blockIdx.x, + gridDim.x, ..: one each when the grid covers them all, several when it is persistent;
+// the stage ring and its barrier phases run on across items, so the producer fills the next item's first stages
+// while the consumers store the last one's results.
 template <int FC2>
 __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int* order, const float* wts,
                                         const int* offs, const u8* rcode, const u8* rscale, const float* rrow,
@@ -179,8 +182,8 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
         continue;
       }
       int expert, p0, count;
-      if ((!FC2 && rb * 128 >= I) || !find_tile(offs, E, ti, expert, p0, count)) continue;  // (FC1: rb < S / 128 may
-                                                                                             // pass I / 128)
+      // (FC1's row blocks run to max(I, S) / 128: those past I / 128 hold shared items only)
+      if ((!FC2 && rb * 128 >= I) || !find_tile(offs, E, ti, expert, p0, count)) continue;
       // the CTA's 16 weight tiles of 16 rows: FC1 8 of gate rows and 8 of up rows, FC2 16 consecutive
       const long e0 = (long)expert * ((FC2 ? H : 2 * I) / 16), g0 = e0 + rb * (FC2 ? 16 : 8), u0 = e0 + I / 16 + rb * 8;
       const long tstride = (long)nst * 1024;
