@@ -23,11 +23,12 @@ TBULK as their tile image; act out in natural column order. With TBULK its launc
 FC1 (session 28): ceil(T / 128) more tiles of the image (the tokens in order), whose B is the shared weight
 re-encoded to E4M3 on a power-of-two scale a row (:func:`shared_image`, made once a weight version) and bulk-copied
 a stage with the A rows (no decode); its act [T, S] bf16 goes to FC2. The whole fp8 prefill 4.42 -> 4.14 ms at T =
-4096, 16.8 -> 15.7 at 16384 (RESULTS.md, session 28). FC2 takes the shared expert's items the same way (its act
-quantized to E4M3 rows and imaged, its w2 re-encoded; K = S), with the routed items or in a launch of their own. FC2: act in E4M3 with row scales (sorted-pair rows, natural K order) and its tile image; y
-[T, slots, H] out. Weights: moe_cuda's prepacked NVFP4 copy (:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`),
-whose lane (g, j) holds rows g, g + 8 at K 16 j .. 16 j + 15 of each 64-K chunk — one 16-byte E4M3 row chunk each,
-written where B's K-major core matrices want them.
+4096, 16.8 -> 15.7 at 16384 (RESULTS.md, session 28). FC2: act in E4M3 with row scales (sorted-pair rows, natural K
+order) and its tile image; y [T, slots, H] out. It takes the shared expert's items the same way (its act quantized to
+E4M3 rows and imaged, its w2 re-encoded; K = S), with the routed items or in a launch of their own. Weights:
+moe_cuda's prepacked NVFP4 copy (:func:`m3c.backends.kernels.moe_cuda.prepack_nvfp4`), whose lane (g, j) holds rows
+g, g + 8 at K 16 j .. 16 j + 15 of each 64-K chunk — one 16-byte E4M3 row chunk each, written where B's K-major core
+matrices want them.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def smem_bytes(stages: int, raw: int, tbulk: bool = False) -> int:
 
 _ARGS = {"moe_ws_fc1": "*xq *xs *order *offs *rcode *rscale *rrow *act *xt *sb *srow *sact T H I S E topk wexp ntiles "
                        "nsh",
-         "moe_ws_fc2": "*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt *st *sas *sb *srow T H I S E topk slots "
-                       "wexp ntiles nsh"}
+         "moe_ws_fc2": "*act8 *as *order *wts *offs *rcode *rscale *rrow *y *xt *st *sas *sb *srow T H I S E topk "
+                       "slots wexp ntiles nsh"}
 
 
 def fc1_spec() -> CudaKernelSpec:
@@ -226,11 +227,12 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
         ("xq", xq, torch.uint8), ("xs", xs, torch.float32), ("order", order, torch.int32),
         ("offs", offs, torch.int32), ("rrow", rrow, torch.float32), ("act", act, torch.bfloat16)))
     sb, srow, sact = shared if shared is not None else (xq, xs, act)
-    if shared is not None and (sb.dim(), srow.dim(), sact.dim()) != (2, 1, 2):
-        raise ShapeError(f"{where}: the shared expert's image, srow and act must be 2-D, 1-D and 2-D tensors, got "
-                         f"{sb.dim()}-D, {srow.dim()}-D, {sact.dim()}-D")
-    s = sact.shape[1] if shared is not None else 0
+    s = 0
     if shared is not None:
+        if (sb.dim(), srow.dim(), sact.dim()) != (2, 1, 2):
+            raise ShapeError(f"{where}: the shared expert's image, srow and act must be 2-D, 1-D and 2-D tensors, got "
+                             f"{sb.dim()}-D, {srow.dim()}-D, {sact.dim()}-D")
+        s = sact.shape[1]
         if not TBULK:
             raise ConfigError("moe_prefill_ws.fc1: the shared expert's items need TBULK (their tokens come from the "
                               "tile image); run them on moe_prefill_cuda's FC1 instead")
@@ -241,7 +243,7 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
                              f"{tuple(srow.shape)}, image {tuple(sb.shape)}")
         _check_tensors("moe_prefill_ws.fc1", act.device, (
             ("the shared image", sb, torch.uint8), ("srow", srow, torch.float32), ("sact", sact, torch.bfloat16)))
-    shape = image_shape(p, e, h, t if shared is not None else 0)
+    shape = image_shape(p, e, h, t if s else 0)
     tiles = max_tiles(p, e)
     if TBULK and (xt is None or xt.dtype != torch.uint8 or xt.shape != shape
                   or not xt.is_contiguous() or xt.device != act.device):
@@ -289,12 +291,12 @@ def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.T
         ("wts", wts, torch.float32), ("offs", offs, torch.int32), ("rrow", rrow, torch.float32),
         ("y", y, torch.bfloat16), ("xt", xt, torch.uint8)))
     st, sas, sb, srow = shared if shared is not None else (xt, a_s, xt, a_s)
-    if shared is not None and (st.dim(), sas.dim(), sb.dim(), srow.dim()) != (2, 1, 2, 1):
-        raise ShapeError(f"{where}: the shared expert's st, sas, w2 image and srow must be 2-D, 1-D, 2-D and 1-D "
-                         f"tensors, got {st.dim()}-D, {sas.dim()}-D, {sb.dim()}-D, {srow.dim()}-D")
-    s = sb.shape[1] // B_BYTES * KS if shared is not None else 0
-    nsh = -(-t // BT) if shared is not None else 0
+    s = nsh = 0
     if shared is not None:
+        if (st.dim(), sas.dim(), sb.dim(), srow.dim()) != (2, 1, 2, 1):
+            raise ShapeError(f"{where}: the shared expert's st, sas, w2 image and srow must be 2-D, 1-D, 2-D and 1-D "
+                             f"tensors, got {st.dim()}-D, {sas.dim()}-D, {sb.dim()}-D, {srow.dim()}-D")
+        s, nsh = sb.shape[1] // B_BYTES * KS, -(-t // BT)
         if s == 0 or sb.shape != (h // (2 * COLS), s // KS * B_BYTES) or sas.shape != (t,) or srow.shape != (h,) \
                 or st.shape != (nsh, s * BT):
             raise ShapeError(f"{where}: the shared expert's w2 image must be [H / 256, S / 128 x {B_BYTES}] "
