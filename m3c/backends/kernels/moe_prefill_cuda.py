@@ -49,11 +49,12 @@ warpgroups (``CTAS``) 5.6-5.8; padded token chunks (``XPAD`` 64, no bank conflic
 per-warp decode between MMAs is the limit (:mod:`m3c.backends.kernels.moe_prefill_ws` moves it to a producer).
 
 Since session 27 (:data:`WS_FC1`) the fp8 build's routed FC1 tiles run on that warp-specialized kernel instead (its
-tokens in natural K order and as a tile image, ``token_image``), and the quantizer puts act into the fp8 K order for
-FC2 (:data:`WS_FC2`, the same for FC2, measured slower and is off). Since session 28 (:data:`WS_SHARED`) the shared
+tokens in natural K order and as a tile image, ``token_image``). Since session 28 (:data:`WS_SHARED`) the shared
 expert's FC1 tiles run in that launch too (E4M3 tokens, its weight re-encoded to E4M3 rows); without it they run on
-this module's FC1 in a second launch. Its FC2 tiles (:data:`WS_SHARED_FC2`) run on the warp-specialized FC2 in a
-launch of their own (E4M3 act): the routed FC2 tiles stay here; without it the shared ones run here in bf16 too.
+this module's FC1 in a second launch. Since session 29 (:data:`WS_FC2`) the routed FC2 tiles run on the
+warp-specialized FC2 too (act in E4M3 rows and as a tile image), with the shared expert's FC2 tiles in the same
+launch (:data:`WS_SHARED_FC2`): the fp8 prefill is then three GEMM launches fewer than it was, and this module's
+kernels run its bf16 build, PROMOTE and the shapes the warp-specialized ones do not take.
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ WS_SHARED_FC2 = True  # fp8: the shared expert's FC2 tiles on the warp-specializ
 # re-encoded to E4M3 rows like WS_SHARED's): with the routed ones where WS_FC2 runs them, else in a launch of its own.
 # The whole fp8 prefill 4.19 / 4.21 -> 3.97 / 4.02 ms at T = 4096, 15.46 / 15.67 -> 15.17 / 15.12 at 16384 (RESULTS.md,
 # session 28)
-WS_FC2 = False  # fp8: the same for FC2 (its A rows from the E4M3 act's tile image). Measured slower: its routed
-# tiles 1.50 ms vs 1.44 on the register-A FC2 at T = 4096 (12 stages of K a CTA: the per-CTA start and epilogue show)
+WS_FC2 = True  # fp8: the same for FC2 (its A rows from the E4M3 act's tile image). Session 27 measured it slower (1.50
+# vs 1.44 ms at T = 4096); session 29 found its epilogue waiting on each row scale's load (ordered after the stores)
+# and took the tile search out of its items: 1.10 ms with ws.PERSIST and ws.TMAJOR, the whole prefill -14%
 PROMOTE = False  # fp8: each 128-K stage summed in a fresh accumulator, added in float32 (needs WGS <= 2: registers)
 KST = 64
 ROW_ALIGN = 256  # H and I must be multiples of 256 (the routed prepack's super-chunks; FC2's 256-row CTAs), S of 128
@@ -146,7 +148,8 @@ def ws_specs(precision: str | None, hidden: int, inter: int, shared_inter: int =
     if check_precision(precision) != "fp8" or PROMOTE:
         return ()
     fc1 = WS_FC1 and ws.supports(hidden, inter)
-    fc2 = WS_FC2 or (shared_inter > 0 and WS_SHARED_FC2 and hidden % 256 == 0 and shared_inter % ws.KS == 0)
+    fc2 = hidden % 256 == 0 and ((WS_FC2 and inter % 256 == 0)
+                                 or (shared_inter > 0 and WS_SHARED_FC2 and shared_inter % ws.KS == 0))
     return (*((ws.fc1_spec(),) if fc1 else ()), *((ws.fc2_spec(),) if fc2 else ()),
             *((ws.image_spec(),) if (fc1 and ws.TBULK) or fc2 else ()))
 
@@ -371,8 +374,8 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         for buf in (act, sact, y):
             buf.fill_(float("nan"))
     # (PROMOTE asks for float32 sums of each stage: only the register-A kernels do that)
-    ws_fc1 = fp8 and WS_FC1 and not PROMOTE and ws.supports(h, i)
-    ws_fc2 = fp8 and WS_FC2 and not PROMOTE  # (supported(): H and I multiples of 256)
+    ws_fc1 = fp8 and WS_FC1 and not PROMOTE and ws.supports(h, i, e)
+    ws_fc2 = fp8 and WS_FC2 and not PROMOTE and e <= ws.MAX_EXPERTS  # (supported(): H and I multiples of 256)
     if fp8:  # E4M3 rows with a float32 scale each: the tokens (in the fp8 K order; natural for ws_fc1), then act
         xq = torch.empty((t, h), dtype=torch.uint8, device=x.device)
         xs = torch.empty((t,), dtype=torch.float32, device=x.device)

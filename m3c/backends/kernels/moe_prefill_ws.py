@@ -15,8 +15,14 @@ Measured on the H200 at m3.1-small (RESULTS.md, sessions 19, 20, 27), routed FC1
 - session 27: the A rows by one bulk copy a stage from a tile image (:data:`TBULK`, :func:`token_image`) 1.95 ms
   vs 2.06-2.18 (T = 16384: 7.26 vs 8.22). The whole fp8 prefill now runs this FC1
   (``moe_prefill_cuda.WS_FC1``): 4.68 -> 4.48 ms. This FC2 (12 stages of K a CTA) measured 1.50 ms vs 1.44 for
-  the register-A FC2's routed tiles and is off (``moe_prefill_cuda.WS_FC2``); a CTA an SM looping over the work
-  items (:data:`PERSIST`) changed neither by more than the noise.
+  the register-A FC2's routed tiles; a CTA an SM looping over the work items (:data:`PERSIST`) changed neither by
+  more than the noise.
+- session 29 (Nsight Compute's stall sampling of FC2): a third of its samples were epilogue multiplies waiting on a
+  row scale's load, which the compiler ordered after the previous stores (they might alias), so every item paid ~32
+  L2 round trips; and each item searched its tile over the experts' offsets in global memory. Now the epilogues
+  load every row scale before the first store, the CTA builds a tile table in shared memory once, and the items run
+  tile-major (:data:`TMAJOR`) on a persistent grid (:data:`PERSIST`). T = 4096: FC1 1.94 -> 1.67 ms, FC2 1.66 ->
+  1.10 ms (now on, ``moe_prefill_cuda.WS_FC2``); the whole fp8 prefill 3.89 -> 3.20 ms of kernels.
 
 FC1: tokens in E4M3 with one float32 scale a row in natural K order (``moe_pf_quant`` with ``permute=0``), and with
 TBULK as their tile image; act out in natural column order. With TBULK its launch also takes the shared expert's
@@ -49,9 +55,11 @@ BT = 128  # sorted pair rows a work item (a tile of one expert's pairs: FC1's to
 COLS = 128  # intermediate columns a CTA (its 256 gate and up rows)
 KS = 128
 IMAGE_SPLIT = 8  # CTAs a tile in token_image (each writes every IMAGE_SPLIT-th stage)
-PERSIST = False  # a CTA an SM looping over the (tile, row block) items, instead of a CTA an item
+PERSIST = True  # a CTA an SM looping over the (tile, row block) items, instead of a CTA an item
 LUT = True  # the E4M3 product tables looked up by scale byte in a shared table built once a CTA (2.30 -> 2.16 ms)
 TBULK = True  # the tokens by one 16 KiB bulk copy a stage from a tile image (:func:`token_image`), not cp.async
+TMAJOR = True  # the work items tile-major (a tile's row blocks consecutive), else row-block-major
+MAX_EXPERTS = 1024  # the most experts fc1 / fc2 take (the kernels' tile table in shared memory)
 SKIP = 0  # timing probes (wrong results): 1 = the consumers issue no MMAs, 2 = the producer decodes nothing, 3 = both
 
 
@@ -80,24 +88,25 @@ def fc2_spec() -> CudaKernelSpec:
 
 def _gemm_spec(kernel: str, tbulk: bool) -> CudaKernelSpec:
     """FC1's or FC2's spec at the current build knobs, checked."""
-    # (the static arrays: the barriers' 48 bytes, and the lookup table's 2 KiB)
+    # (the static arrays: the barriers' 48 bytes, the tile table's 4 KiB, and the lookup table's 2 KiB)
     if (not 2 <= STAGES <= 4 or not 2 <= RAW <= 4
-            or smem_bytes(STAGES, RAW, tbulk) > 227 * 1024 - 2048 - 2048 * LUT):
-        raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 225 KiB of shared memory)")
-    return _spec(kernel, STAGES, RAW, SKIP, LUT, tbulk)
+            or smem_bytes(STAGES, RAW, tbulk) > 227 * 1024 - 6144 - 2048 * LUT):
+        raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 221 KiB of shared memory)")
+    return _spec(kernel, STAGES, RAW, SKIP, LUT, tbulk, TMAJOR)
 
 
 @functools.cache
-def _spec(kernel: str, stages: int, raw: int, skip: int, lut: bool, tbulk: bool) -> CudaKernelSpec:
-    flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),) * tbulk
+def _spec(kernel: str, stages: int, raw: int, skip: int, lut: bool, tbulk: bool, tmajor: bool) -> CudaKernelSpec:
+    flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),) * tbulk + (("TMAJOR", 1),) * tmajor
     d = (("STAGES", stages), ("RAW", raw), *flags)
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, kernel, arg_types(_ARGS[kernel]), d, 12,
                           smem_bytes(stages, raw, tbulk))
 
 
-def supports(hidden: int, inter: int) -> bool:
-    """Whether :func:`fc1` takes H and I (H a multiple of 256: whole scale super-chunks; I of :data:`COLS`)."""
-    return hidden % 256 == 0 and inter % COLS == 0
+def supports(hidden: int, inter: int, experts: int = 1) -> bool:
+    """Whether :func:`fc1` takes H, I and E (H a multiple of 256: whole scale super-chunks; I of :data:`COLS`; E at
+    most :data:`MAX_EXPERTS`)."""
+    return hidden % 256 == 0 and inter % COLS == 0 and 0 < experts <= MAX_EXPERTS
 
 
 def grid(items: int, device: torch.device) -> tuple[int]:
@@ -218,8 +227,9 @@ def fc1(xq: torch.Tensor, xs: torch.Tensor, order: torch.Tensor, offs: torch.Ten
     p, inter = act.shape
     e = offs.numel() - 1
     where = f"moe_prefill_ws.fc1: xq {tuple(xq.shape)}, act {tuple(act.shape)}"
-    if not supports(h, inter):  # (the prepacked scales come in 256-K super-chunks)
-        raise ShapeError(f"{where}: H must be a multiple of 256 and I of {COLS}")
+    if not supports(h, inter, e):  # (the prepacked scales come in 256-K super-chunks)
+        raise ShapeError(f"{where}, {e} experts: H must be a multiple of 256, I of {COLS}, the experts at most "
+                         f"{MAX_EXPERTS}")
     if p != t * top_k or xs.shape != (t,) or rrow.numel() != e * 2 * inter or order.shape != (p,):
         raise ShapeError(f"{where}, xs {tuple(xs.shape)}, order {tuple(order.shape)}, rrow {tuple(rrow.shape)}, "
                          f"top_k {top_k}: act must be [T * top_k, I], xs [T], order [T * top_k], rrow E x 2I")
@@ -278,9 +288,11 @@ def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.T
     shape = image_shape(p, e, inter)
     tiles = shape[0] if routed else 0
     where = f"moe_prefill_ws.fc2: act8 {tuple(act8.shape)}, y {tuple(y.shape)}"
-    if h % 256 or inter % 256 or p != t * top_k or slots < top_k + (shared is not None):
-        raise ShapeError(f"{where}, top_k {top_k}: H and I must be multiples of 256, act8 [T * top_k, I], y [T, "
-                         f">= top_k, H] (> top_k with the shared expert)")
+    if h % 256 or inter % 256 or p != t * top_k or slots < top_k + (shared is not None) \
+            or not 0 < e <= (MAX_EXPERTS if routed else e):
+        raise ShapeError(f"{where}, top_k {top_k}, {e} experts: H and I must be multiples of 256, act8 [T * top_k, "
+                         f"I], y [T, >= top_k, H] (> top_k with the shared expert), the routed experts at most "
+                         f"{MAX_EXPERTS}")
     if a_s.shape != (p,) or wts.shape != (p,) or order.shape != (p,) or rrow.numel() != e * h \
             or (routed and xt.shape != shape):
         raise ShapeError(f"{where}: a_s, wts and order must be [{p}], rrow E x H, xt {list(shape)} "

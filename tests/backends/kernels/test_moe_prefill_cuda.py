@@ -198,6 +198,7 @@ def test_megamoe_lists_the_wgmma_specs_only_when_on(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(pc, "WS_FC1", False)
     assert fams().count("megamoe_prefill_wgmma") == 3  # + the row quantizer
     monkeypatch.setattr(pc, "WS_SHARED_FC2", True)
+    monkeypatch.setattr(pc, "WS_FC2", False)  # (the routed FC2 tiles on the register-A kernel)
     monkeypatch.setattr(pc, "WS_FC1", True)  # + the warp-specialized FC1, its token image and (WS_SHARED_FC2) FC2
     assert fams().count("megamoe_prefill_wgmma") == 3 and fams().count("megamoe_prefill_ws") == 3
     assert [sp.kernel for sp in pc.ws_specs("fp8", 6144, 1536)] == ["moe_ws_fc1", "moe_ws_image"]  # (no shared)
@@ -207,6 +208,7 @@ def test_megamoe_lists_the_wgmma_specs_only_when_on(monkeypatch: pytest.MonkeyPa
     assert pc.ws_specs("fp8", 6144, 1600, 1536) == ()
     monkeypatch.setattr(pc, "WS_FC2", True)  # + its FC2
     assert [sp.kernel for sp in pc.ws_specs("fp8", 6144, 1536)] == ["moe_ws_fc1", "moe_ws_fc2", "moe_ws_image"]
+    assert [sp.kernel for sp in pc.ws_specs("fp8", 6144, 1664)] == ["moe_ws_fc1", "moe_ws_image"]  # (FC2: I % 256)
     monkeypatch.setattr(pc, "WS_FC1", False)
     assert [sp.kernel for sp in pc.ws_specs("fp8", 6144, 1536)] == ["moe_ws_fc2", "moe_ws_image"]
     assert pc.ws_specs("bf16", 6144, 1536) == ()  # (bf16 routed tiles: the register-A kernels)

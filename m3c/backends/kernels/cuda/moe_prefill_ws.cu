@@ -26,6 +26,10 @@
 #ifndef TBULK
 #define TBULK 0   // the tokens by one bulk copy a stage (one thread) from a tile image (see the kernel's comment)
 #endif
+#ifndef TMAJOR
+#define TMAJOR 0  // work items tile-major (a tile's row blocks consecutive: its A rows stay in L2 across them), else
+                  // row-block-major (an expert's tiles side by side: its weight rows stay in L2 across them)
+#endif
 #ifndef SKIP
 #define SKIP 0    // timing probes only (wrong results): 1 = consumers issue no MMAs, 2 = the producer decodes nothing,
                   // 3 = both
@@ -110,6 +114,78 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int r, int& ex
   return false;
 }
 
+#define MAXE 1024  // the most experts the GEMM kernels take (moe_prefill_ws.MAX_EXPERTS; their tile table's size)
+
+// tbase[e] = expert e's first routed tile (each expert's tiles of BT sorted pairs, in expert order), tbase[E] = the
+// routed tiles in all, for E <= MAXE experts (offs: their E + 1 pair offsets), THREADS experts a pass. All THREADS
+// threads call it (it holds __syncthreads); tbase is ready after the caller's next __syncthreads.
+__device__ __forceinline__ void tile_table(const int* offs, int E, int* tbase, int* wsum, int tid) {
+  const int lane = tid & 31, w = tid >> 5;
+  const int ne = min(E, MAXE);
+  int carry = 0;  // the tiles of the passes before
+  for (int e0 = 0; e0 < ne; e0 += THREADS) {
+    const int e = e0 + tid;
+    int v = e < ne ? (offs[e + 1] - offs[e] + BT - 1) / BT : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {  // inclusive scan over the warp
+      const int u = __shfl_up_sync(0xffffffffu, v, d);
+      if (lane >= d) v += u;
+    }
+    if (lane == 31) wsum[w] = v;
+    __syncthreads();
+    for (int i = 0; i < w; ++i) v += wsum[i];
+    if (e < ne) tbase[e + 1] = carry + v;
+    for (int i = 0; i < THREADS / 32; ++i) carry += wsum[i];  // + this pass's total
+    __syncthreads();  // (wsum is rewritten by the next pass)
+  }
+  if (tid == 0) tbase[0] = 0;
+}
+
+// find_tile by the table (a binary search in shared memory, not E loads of offs).
+__device__ __forceinline__ bool find_tile_in(const int* tbase, const int* offs, int E, int r, int& expert, int& p0,
+                                             int& count) {
+  if (r >= tbase[E]) return false;
+  int lo = 0, hi = E - 1;  // the last expert whose first tile is <= r: r's (experts without tiles repeat a base)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tbase[mid] <= r) lo = mid;
+    else hi = mid - 1;
+  }
+  expert = lo;
+  p0 = offs[lo] + (r - tbase[lo]) * BT;
+  count = min(BT, offs[lo + 1] - p0);
+  return true;
+}
+
+// What work item `item` is: its row block rb and tile ti (TMAJOR: ti = item / nrb, else rb = item / (ntiles +
+// nsh)), and whether it runs (skip: a routed tile past the last, or FC1's row block past I (routed) / S (shared)). A
+// shared item (TBULK, ti >= ntiles) has tokens p0 = (ti - ntiles) BT .. of T; a routed one its expert's pairs p0 ..
+// p0 + count. ns: its stages (FC2's shared items: S / KS; else K / KS). The producer and the consumers both decide by
+// this.
+struct WsItem {
+  int rb, ti, expert, p0, count, ns;
+  bool shared, skip;
+};
+template <int FC2>
+__device__ __forceinline__ WsItem ws_item(int item, int ntiles, int nsh, int nrb, const int* tbase, const int* offs,
+                                          int E, int I, int S, int T, int nst) {
+  WsItem w;
+  const int ntt = ntiles + nsh;
+  w.rb = TMAJOR ? item % nrb : item / ntt;
+  w.ti = TMAJOR ? item / nrb : item % ntt;
+  w.shared = TBULK && w.ti >= ntiles;
+  w.expert = 0;
+  w.ns = FC2 && w.shared ? S / KS : nst;
+  if (w.shared) {
+    w.p0 = (w.ti - ntiles) * BT;
+    w.count = min(BT, T - w.p0);
+    w.skip = !FC2 && w.rb * 128 >= S;
+  } else {
+    w.skip = (!FC2 && w.rb * 128 >= I) || !find_tile_in(tbase, offs, E, w.ti, w.expert, w.p0, w.count);
+  }
+  return w;
+}
+
 // The body of both kernels below. FC1 (FC2 = 0): act[p, c] = SiLU(gate) * up (bf16, as the reference's bf16 model
 // rounds) for the tile's sorted pairs p and the CTA's 128 intermediate columns c (natural order); x: E4M3 tokens
 // [T, H] (natural K order) with row scales xs; K = H. FC2: y[pair / topk * slots + pair % topk, h] = (act[p] .
@@ -117,11 +193,10 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int r, int& ex
 // with row scales xs (moe_pf_quant); K = I. With TBULK the A rows come from xt instead: tile r's stage s is the A
 // buffer's image, 16 KiB at (r K / KS + s) 16 KiB: K chunk kc (16 bytes) of tile row n at kc 2048 + 16 n
 // (moe_prefill_ws.token_image).
-// Work items: (tile, row block) pairs, item i = tile i % (ntiles + nsh) of row block i / (ntiles + nsh) (ntiles: the
-// grid's bound on routed tiles, items past the last are skipped; nsh: the shared expert's tiles, TBULK only). A CTA
-// takes items blockIdx.x, + gridDim.x, ..: one each when the grid covers them all, several when it is persistent;
-// the stage ring and its barrier phases run on across items, so the producer fills the next item's first stages
-// while the consumers store the last one's results.
+// Work items: (tile, row block) pairs in the order ws_item gives (ntiles: the grid's bound on routed tiles, items past
+// the last are skipped; nsh: the shared expert's tiles, TBULK only). A CTA takes items blockIdx.x, + gridDim.x, ..:
+// one each when the grid covers them all, several when it is persistent; the stage ring and its barrier phases run on
+// across items, so the producer fills the next item's first stages while the consumers store the last one's results.
 template <int FC2>
 __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int* order, const float* wts,
                                         const int* offs, const u8* rcode, const u8* rscale, const float* rrow,
@@ -133,8 +208,8 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
   // tiles 0 .. ntiles - 1: the routed experts' (a bound: those past the last are skipped); with TBULK also ntiles ..
   // ntiles + nsh - 1: the shared expert's, 128 rows each (FC1: tokens, FC2: its act [T, S]) from their image st with
   // row scales sxs, B bulk-copied from its E4M3 image sb (rows scaled by srow); its K: FC1 H, FC2 S
-  const int tid = threadIdx.x, K = FC2 ? I : H, ntt = ntiles + nsh;
-  const int items = ntt * (FC2 ? H / 256 : max(I, nsh ? S : 0) / 128);
+  const int tid = threadIdx.x, K = FC2 ? I : H, nrb = FC2 ? H / 256 : max(I, nsh ? S : 0) / 128;
+  const int items = (ntiles + nsh) * nrb;
   const float up2 = __uint_as_float((u32)(127 + wexp) << 23);
   // the sorted pair p's A row offset in xq (-1 past the tile's pairs)
   auto row_of = [&](int p0, int count, int n) -> long long {
@@ -149,6 +224,8 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  __shared__ int tbase[MAXE + 1], wsum[THREADS / 32];
+  tile_table(offs, E, tbase, wsum, tid);
   const u32 wdec = ((u32)(15 - wexp) << 10) * 0x10001u;  // the f16x2 pair 2^-wexp
   __shared__ uint2 lut[LUT ? 256 : 1];
   if (LUT) e4m3_lut_fill(lut, wdec, tid, THREADS);
@@ -162,14 +239,14 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     const int pt = tid - 256, pw = warp - 8;
     int gs = 0;  // stages produced, over all items (the ring slot and barrier phase)
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int rb = item / ntt, ti = item % ntt;
-      const u8* xtile = xt + (long)ti * nst * A_BYTES;  // TBULK: this tile's image
-      if (TBULK && ti >= ntiles) {  // a shared-expert item: its A rows and E4M3 B by two bulk copies a stage
-        if (!FC2 && rb * 128 >= S) continue;
-        const int snst = FC2 ? S / KS : nst;
-        const u8* aimg = st + (long)(ti - ntiles) * snst * A_BYTES;
-        const u8* bimg = sb + (long)rb * snst * B_BYTES;
-        for (int s = 0; s < snst; ++s, ++gs) {
+      const WsItem it = ws_item<FC2>(item, ntiles, nsh, nrb, tbase, offs, E, I, S, T, nst);
+      if (it.skip) continue;
+      const int rb = it.rb, expert = it.expert, p0 = it.p0, count = it.count;
+      const u8* xtile = xt + (long)it.ti * nst * A_BYTES;  // TBULK: this tile's image
+      if (it.shared) {  // a shared-expert item: its A rows and E4M3 B by two bulk copies a stage
+        const u8* aimg = st + (long)(it.ti - ntiles) * it.ns * A_BYTES;
+        const u8* bimg = sb + (long)rb * it.ns * B_BYTES;
+        for (int s = 0; s < it.ns; ++s, ++gs) {
           const int slot = gs % STAGES;
           mbar_wait(empty0 + 8 * slot, ((gs / STAGES) & 1) ^ 1);
           if (pt == 0) {
@@ -181,9 +258,6 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
         }
         continue;
       }
-      int expert, p0, count;
-      // (FC1's row blocks run to max(I, S) / 128: those past I / 128 hold shared items only)
-      if ((!FC2 && rb * 128 >= I) || !find_tile(offs, E, ti, expert, p0, count)) continue;
       // the CTA's 16 weight tiles of 16 rows: FC1 8 of gate rows and 8 of up rows, FC2 16 consecutive
       const long e0 = (long)expert * ((FC2 ? H : 2 * I) / 16), g0 = e0 + rb * (FC2 ? 16 : 8), u0 = e0 + I / 16 + rb * 8;
       const long tstride = (long)nst * 1024;
@@ -291,16 +365,10 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
   const int r = 16 * (warp & 3) + g;  // the lane's token rows r, r + 8 of its warpgroup's 64
   int gs = 0;  // stages consumed, over all items
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int rb = item / ntt, ti = item % ntt;
-    const bool shr = TBULK && ti >= ntiles;  // a shared-expert item (the producer's test)
-    int expert = 0, p0, count;
-    if (shr) {
-      if (!FC2 && rb * 128 >= S) continue;
-      p0 = (ti - ntiles) * BT;
-      count = min(BT, T - p0);
-    } else if ((!FC2 && rb * 128 >= I) || !find_tile(offs, E, ti, expert, p0, count)) {
-      continue;
-    }
+    const WsItem it = ws_item<FC2>(item, ntiles, nsh, nrb, tbase, offs, E, I, S, T, nst);
+    if (it.skip) continue;
+    const int rb = it.rb, expert = it.expert, p0 = it.p0, count = it.count;
+    const bool shr = it.shared;
     // the rows' scales (routed: x 2^wexp; FC2: x the routing weight) and FC2's y rows, loaded under the MMAs
     float csc[2] = {0.f, 0.f};
     int yrow[2] = {0, 0};  // (T slots < 2^31)
@@ -321,7 +389,7 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    for (int s = 0, ns = FC2 && shr ? S / KS : nst; s < ns; ++s, ++gs) {
+    for (int s = 0; s < it.ns; ++s, ++gs) {
       const int slot = gs % STAGES;
       mbar_wait(full0 + 8 * slot, (gs / STAGES) & 1);
       fence_async_smem();  // the A rows' cp.async writes (without TBULK), seen through the barrier, visible to wgmma
@@ -340,17 +408,27 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     if (FC2) {  // accumulator 4 q + 2 h + u: token row r + 8 h, output row 8 q + 2 j + u of the CTA's 256
       const long h0 = (long)rb * 256;
       const float* fr = (shr ? srow : rrow + (long)expert * H) + h0;
+      // the row scales first: every load before any store (out might alias fr for the compiler, so a load after a
+      // store waited for it: 32 L2 round trips an item, a third of FC2's stall samples; RESULTS.md session 29)
+#pragma unroll
+      for (int q = 0; q < 32; ++q) {
+        const float f0 = fr[8 * q + 2 * j], f1 = fr[8 * q + 2 * j + 1];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          acc[4 * q + 2 * h] *= f0;
+          acc[4 * q + 2 * h + 1] *= f1;
+        }
+      }
 #pragma unroll
       for (int q = 0; q < 32; ++q) {
         const int c = 8 * q + 2 * j;
-        const float f0 = fr[c], f1 = fr[c + 1];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int tk = 64 * cw + r + 8 * h;
           if (tk < count) {
             const float cs = csc[h];
             *(u32*)(out + (long long)yrow[h] * H + h0 + c) =
-                (u32)bf16_bits(acc[4 * q + 2 * h] * f0 * cs) | ((u32)bf16_bits(acc[4 * q + 2 * h + 1] * f1 * cs) << 16);
+                (u32)bf16_bits(acc[4 * q + 2 * h] * cs) | ((u32)bf16_bits(acc[4 * q + 2 * h + 1] * cs) << 16);
           }
         }
       }
@@ -361,16 +439,27 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
     const float* fr = shr ? srow : rrow + (long)expert * 2 * I;
     u16* const o = shr ? sact : out;
 #pragma unroll
-    for (int m = 0; m < 16; ++m) {
+    for (int m = 0; m < 16; ++m) {  // the row scales first (as FC2's)
       const int c = 8 * m + 2 * j;
       const float fg0 = fr[col0 + c], fg1 = fr[col0 + c + 1], fu0 = fr[N + col0 + c], fu1 = fr[N + col0 + c + 1];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        acc[8 * m + 2 * h] *= fg0;
+        acc[8 * m + 2 * h + 1] *= fg1;
+        acc[8 * m + 4 + 2 * h] *= fu0;
+        acc[8 * m + 4 + 2 * h + 1] *= fu1;
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      const int c = 8 * m + 2 * j;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tk = 64 * cw + r + 8 * h;
         if (tk < count) {
           const float cs = csc[h];
-          const float v0 = silu_mul_bf16(acc[8 * m + 2 * h] * fg0 * cs, acc[8 * m + 4 + 2 * h] * fu0 * cs);
-          const float v1 = silu_mul_bf16(acc[8 * m + 2 * h + 1] * fg1 * cs, acc[8 * m + 4 + 2 * h + 1] * fu1 * cs);
+          const float v0 = silu_mul_bf16(acc[8 * m + 2 * h] * cs, acc[8 * m + 4 + 2 * h] * cs);
+          const float v1 = silu_mul_bf16(acc[8 * m + 2 * h + 1] * cs, acc[8 * m + 4 + 2 * h + 1] * cs);
           *(u32*)(o + (long)(p0 + tk) * N + col0 + c) = (u32)bf16_bits(v0) | ((u32)bf16_bits(v1) << 16);
         }
       }
