@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -268,6 +268,31 @@ def _ws_shared_fc2_on(fp8: bool, hidden: int, shared_w2: Any) -> bool:
         and shared_w2.shape[1] % ws.KS == 0
 
 
+class _Plan(NamedTuple):
+    """Which kernels one call runs (:func:`_plan`): the routed FC1 / FC2 tiles on the warp-specialized kernels, the
+    shared expert's FC1 / FC2 tiles there (else on this module's kernels, which then need its MXFP8 pack)."""
+
+    ws_fc1: bool
+    ws_fc2: bool
+    ws_sh: bool
+    ws_sh2: bool
+
+    @property
+    def register_a_shared(self) -> bool:
+        """Whether this module's kernels run any of the shared expert's tiles (and need :func:`_packed_shared`)."""
+        return not (self.ws_sh and self.ws_sh2)
+
+
+def _plan(fp8: bool, hidden: int, inter: int, experts: int, shared_w13: Any, shared_w2: Any) -> _Plan:
+    """The kernels a call runs, from the knobs and shapes; :func:`moe_prefill_wgmma` and :func:`state_ready` both
+    decide by it (PROMOTE asks for float32 sums of each stage: only the register-A kernels do that)."""
+    ws_fc1 = fp8 and WS_FC1 and not PROMOTE and ws.supports(hidden, inter, experts)
+    ws_fc2 = fp8 and WS_FC2 and not PROMOTE and experts <= ws.MAX_EXPERTS  # (supported(): H and I multiples of 256)
+    has_sh = shared_w13 is not None and shared_w2 is not None
+    return _Plan(ws_fc1, ws_fc2, has_sh and ws_fc1 and _ws_shared_on(fp8, hidden, inter, shared_w13),
+                 has_sh and _ws_shared_fc2_on(fp8, hidden, shared_w2))
+
+
 def _k_order_key(device: torch.device, k: int) -> tuple:
     return ("moe_prefill_cuda k_order", str(device), k)
 
@@ -288,12 +313,12 @@ def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: 
     else:
         ok = is_prepacked(w13, w2) and persistent_ready(_k_order_key(x.device, h))
     ok = ok and mp.nvfp4_row_scales_ready(w13, (e, two_i)) and mp.nvfp4_row_scales_ready(w2, (e, h))
-    for w in (shared_w13, shared_w2):
+    plan = _plan(check_precision(precision) == "fp8", h, two_i // 2, e, shared_w13, shared_w2)
+    for w in (shared_w13, shared_w2) if plan.register_a_shared else ():
         ok = ok and (w is None or (derived_ready(w.data, _TAG) and derived_ready(w.scale, _TAG)))
-    fp8 = check_precision(precision) == "fp8"
-    if _ws_shared_on(fp8, h, two_i // 2, shared_w13):
+    if plan.ws_sh:
         ok = ok and derived_ready(shared_w13.data, _WS_SHARED_TAG, also=(shared_w13.scale,))
-    if _ws_shared_fc2_on(fp8, h, shared_w2):
+    if plan.ws_sh2:
         ok = ok and derived_ready(shared_w2.data, _WS_SHARED_TAG, also=(shared_w2.scale,))
     return ok
 
@@ -355,13 +380,14 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     g13 = mp.nvfp4_row_scales(w13, (e, 2 * i), "w13")
     g2 = mp.nvfp4_row_scales(w2, (e, h), "w2")
     has_sh = s > 0
+    plan = _plan(fp8, h, i, e, shared_w13, shared_w2)
+    sc13 = ss13 = sc2 = ss2 = c13  # (placeholders where no register-A kernel runs the shared expert's tiles)
     if has_sh:
         mp.weight_args(shared_w13, "mxfp8", (2 * s, h), "shared_w13")
         mp.weight_args(shared_w2, "mxfp8", (h, s), "shared_w2")
-        sc13, ss13 = _packed_shared(shared_w13)
-        sc2, ss2 = _packed_shared(shared_w2)
-    else:
-        sc13 = ss13 = sc2 = ss2 = c13
+        if plan.register_a_shared:
+            sc13, ss13 = _packed_shared(shared_w13)
+            sc2, ss2 = _packed_shared(shared_w2)
     fc1, fc2, *quant = specs(precision)
     bt, rows = BT, 64 * WGS
     slots = k + int(has_sh)
@@ -373,9 +399,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if mp.POISON_WORKSPACES:
         for buf in (act, sact, y):
             buf.fill_(float("nan"))
-    # (PROMOTE asks for float32 sums of each stage: only the register-A kernels do that)
-    ws_fc1 = fp8 and WS_FC1 and not PROMOTE and ws.supports(h, i, e)
-    ws_fc2 = fp8 and WS_FC2 and not PROMOTE and e <= ws.MAX_EXPERTS  # (supported(): H and I multiples of 256)
+    ws_fc1, ws_fc2 = plan.ws_fc1, plan.ws_fc2
     if fp8:  # E4M3 rows with a float32 scale each: the tokens (in the fp8 K order; natural for ws_fc1), then act
         xq = torch.empty((t, h), dtype=torch.uint8, device=x.device)
         xs = torch.empty((t,), dtype=torch.float32, device=x.device)
@@ -392,7 +416,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         xq, xs, act8, a_s, e13, e2 = x.index_select(1, _k_order_on(x.device, h)), wts, act, wts, 0, 0
     fc1_args = [x, xq, xs, order, offs, c13, s13, g13, sc13, ss13, act, sact, t, n_sh, h, i, s, e, k, e13]
     if ws_fc1:  # routed tiles on the warp-specialized kernel (act in natural column order), shared ones too or here
-        ws_sh = n_sh > 0 and _ws_shared_on(fp8, h, i, shared_w13)
+        ws_sh = plan.ws_sh
         xt = ws.token_image(xq, order, offs, k, shared=ws_sh, runner=runner) if ws.TBULK else None
         ws.fc1(xq, xs, order, offs, c13, s13, g13, act, top_k=k, wexp=e13, xt=xt,
                shared=(*_ws_shared(shared_w13), sact) if ws_sh else None, runner=runner)
@@ -402,7 +426,7 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
         runner(fc1, (m_tiles, max(2 * i, 2 * s) // rows), fc1_args)
     if fp8:  # (register-A FC1 writes act in the fp8 K order and its FC2 reads that; the ws kernels the natural one)
         runner(quant[0], (p,), [act, act8, a_s, i, int(ws_fc1 != ws_fc2)])
-    ws_sh2 = n_sh > 0 and _ws_shared_fc2_on(fp8, h, shared_w2)
+    ws_sh2 = plan.ws_sh2
     sh2 = None
     if ws_sh2:  # the shared expert's act in E4M3 with row scales, as a tile image
         sact8 = torch.empty((t, s), dtype=torch.uint8, device=x.device)

@@ -151,17 +151,18 @@ def test_fp8_state_ready_also_needs_the_weights_exponents(rng: torch.Generator,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp8 build's first call also computes each routed weight's exponent (a host sync): tracked like the rest,
     so a CUDA-graph capture is refused until it exists; the bf16 build does not need it. WS_SHARED / WS_SHARED_FC2:
-    the shared expert's E4M3 images too."""
+    the shared expert's E4M3 images too, and then not its register-A pack (no register-A kernel runs its tiles)."""
     monkeypatch.setattr(pc, "WS_SHARED_FC2", True)
     x, _, _, w13, w2, sh13, sh2 = _problem(4, 256, 256, 4, 2, 128, "nvfp4", "mxfp8", rng)
     x = x.bfloat16()
     for w in (w13, w2):
         moe_cuda.packed_pair(w)
-    for w in (sh13, sh2):
-        pc._packed_shared(w)
     mp.nvfp4_row_scales(w13, (4, 512), "w13")
     mp.nvfp4_row_scales(w2, (4, 256), "w2")
     pc._k_order_on(x.device, 256)
+    assert not pc.state_ready(x, w13, w2, sh13, sh2, "bf16")  # the bf16 build runs the shared tiles: its pack
+    for w in (sh13, sh2):
+        pc._packed_shared(w)
     assert pc.state_ready(x, w13, w2, sh13, sh2, "bf16") and not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
     pc.fp8_exponent(w13)
     assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
@@ -173,8 +174,13 @@ def test_fp8_state_ready_also_needs_the_weights_exponents(rng: torch.Generator,
     assert pc.state_ready(x, w13, w2, sh13, sh2, "fp8") and pc._ws_shared(sh13)[0] is img
     sh13.scale.add_(0)  # the image depends on the scales too: rebuilt
     assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8") and pc._ws_shared(sh13)[0] is not img
-    pc._packed_shared(sh13)  # (the register-A kernels' copy, whose scales changed too)
+    # the register-A pack is stale now: fp8 does not read it, bf16 does
+    assert pc.state_ready(x, w13, w2, sh13, sh2, "fp8") and not pc.state_ready(x, w13, w2, sh13, sh2, "bf16")
+    monkeypatch.setattr(pc, "WS_SHARED_FC2", False)  # the shared FC2 tiles on the register-A kernel: the pack again
+    assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
+    pc._packed_shared(sh13)
     assert pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
+    monkeypatch.setattr(pc, "WS_SHARED_FC2", True)
     w2.scale.view(torch.uint8).add_(0)  # a new version of a scale: its exponent is stale
     assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
 
