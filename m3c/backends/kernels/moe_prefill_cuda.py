@@ -53,8 +53,8 @@ tokens in natural K order and as a tile image, ``token_image``). Since session 2
 expert's FC1 tiles run in that launch too (E4M3 tokens, its weight re-encoded to E4M3 rows); without it they run on
 this module's FC1 in a second launch. Since session 29 (:data:`WS_FC2`) the routed FC2 tiles run on the
 warp-specialized FC2 too (act in E4M3 rows and as a tile image), with the shared expert's FC2 tiles in the same
-launch (:data:`WS_SHARED_FC2`): the fp8 prefill is then three GEMM launches fewer than it was, and this module's
-kernels run its bf16 build, PROMOTE and the shapes the warp-specialized ones do not take.
+launch (:data:`WS_SHARED_FC2`): one GEMM launch fewer than before, and this module's kernels run the bf16 build,
+PROMOTE and the shapes the warp-specialized ones do not take.
 """
 
 from __future__ import annotations
@@ -276,11 +276,17 @@ class _Plan(NamedTuple):
     ws_fc2: bool
     ws_sh: bool
     ws_sh2: bool
+    has_sh: bool  # a shared expert (S > 0)
 
     @property
-    def register_a_shared(self) -> bool:
-        """Whether this module's kernels run any of the shared expert's tiles (and need :func:`_packed_shared`)."""
-        return not (self.ws_sh and self.ws_sh2)
+    def register_a_sh(self) -> bool:
+        """Whether this module's FC1 runs the shared expert's tiles (and needs :func:`_packed_shared` of its w13)."""
+        return self.has_sh and not self.ws_sh
+
+    @property
+    def register_a_sh2(self) -> bool:
+        """Whether this module's FC2 runs the shared expert's tiles (and needs :func:`_packed_shared` of its w2)."""
+        return self.has_sh and not self.ws_sh2
 
 
 def _plan(fp8: bool, hidden: int, inter: int, experts: int, shared_w13: Any, shared_w2: Any) -> _Plan:
@@ -288,9 +294,9 @@ def _plan(fp8: bool, hidden: int, inter: int, experts: int, shared_w13: Any, sha
     decide by it (PROMOTE asks for float32 sums of each stage: only the register-A kernels do that)."""
     ws_fc1 = fp8 and WS_FC1 and not PROMOTE and ws.supports(hidden, inter, experts)
     ws_fc2 = fp8 and WS_FC2 and not PROMOTE and experts <= ws.MAX_EXPERTS  # (supported(): H and I multiples of 256)
-    has_sh = shared_w13 is not None and shared_w2 is not None
+    has_sh = shared_w13 is not None and shared_w2 is not None and shared_w13.shape[0] // 2 > 0
     return _Plan(ws_fc1, ws_fc2, has_sh and ws_fc1 and _ws_shared_on(fp8, hidden, inter, shared_w13),
-                 has_sh and _ws_shared_fc2_on(fp8, hidden, shared_w2))
+                 has_sh and _ws_shared_fc2_on(fp8, hidden, shared_w2), has_sh)
 
 
 def _k_order_key(device: torch.device, k: int) -> tuple:
@@ -314,8 +320,8 @@ def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: 
         ok = is_prepacked(w13, w2) and persistent_ready(_k_order_key(x.device, h))
     ok = ok and mp.nvfp4_row_scales_ready(w13, (e, two_i)) and mp.nvfp4_row_scales_ready(w2, (e, h))
     plan = _plan(check_precision(precision) == "fp8", h, two_i // 2, e, shared_w13, shared_w2)
-    for w in (shared_w13, shared_w2) if plan.register_a_shared else ():
-        ok = ok and (w is None or (derived_ready(w.data, _TAG) and derived_ready(w.scale, _TAG)))
+    for w, used in ((shared_w13, plan.register_a_sh), (shared_w2, plan.register_a_sh2)):
+        ok = ok and (not used or (derived_ready(w.data, _TAG) and derived_ready(w.scale, _TAG)))
     if plan.ws_sh:
         ok = ok and derived_ready(shared_w13.data, _WS_SHARED_TAG, also=(shared_w13.scale,))
     if plan.ws_sh2:
@@ -385,8 +391,9 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     if has_sh:
         mp.weight_args(shared_w13, "mxfp8", (2 * s, h), "shared_w13")
         mp.weight_args(shared_w2, "mxfp8", (h, s), "shared_w2")
-        if plan.register_a_shared:
+        if plan.register_a_sh:
             sc13, ss13 = _packed_shared(shared_w13)
+        if plan.register_a_sh2:
             sc2, ss2 = _packed_shared(shared_w2)
     fc1, fc2, *quant = specs(precision)
     bt, rows = BT, 64 * WGS

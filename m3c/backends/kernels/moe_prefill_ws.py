@@ -1,4 +1,4 @@
-"""MegaMoE prefill FC1 and FC2, warp-specialized (``cuda/moe_prefill_ws.cu``), for sm_90a: the fp8 prefill's FC1.
+"""MegaMoE prefill FC1 and FC2, warp-specialized (``cuda/moe_prefill_ws.cu``), for sm_90a: the fp8 prefill's GEMMs.
 
 Why: the register-A wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`, fp8 build) is latency-bound at
 ~4,000 cycles a 128-K stage against ~1,000 of E4M3 MMA (RESULTS.md, sessions 17 and 19): every warp decodes its
@@ -76,6 +76,12 @@ _ARGS = {"moe_ws_fc1": "*xq *xs *order *offs *rcode *rscale *rrow *act *xt *sb *
                        "slots wexp ntiles nsh"}
 
 
+def smem_limit() -> int:
+    """The dynamic shared memory a GEMM build may take: 227 KiB less the static arrays (the barriers, the tile table's
+    4 KiB for :data:`MAX_EXPERTS`, and with :data:`LUT` the lookup table's 2 KiB)."""
+    return 227 * 1024 - 2048 - 4 * (MAX_EXPERTS + 1) - 2048 * LUT
+
+
 def fc1_spec() -> CudaKernelSpec:
     """The FC1 kernel's spec at the current :data:`STAGES` / :data:`RAW`."""
     return _gemm_spec("moe_ws_fc1", TBULK)
@@ -88,17 +94,17 @@ def fc2_spec() -> CudaKernelSpec:
 
 def _gemm_spec(kernel: str, tbulk: bool) -> CudaKernelSpec:
     """FC1's or FC2's spec at the current build knobs, checked."""
-    # (the static arrays: the barriers' 48 bytes, the tile table's 4 KiB, and the lookup table's 2 KiB)
-    if (not 2 <= STAGES <= 4 or not 2 <= RAW <= 4
-            or smem_bytes(STAGES, RAW, tbulk) > 227 * 1024 - 6144 - 2048 * LUT):
-        raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most 221 KiB of shared memory)")
-    return _spec(kernel, STAGES, RAW, SKIP, LUT, tbulk, TMAJOR)
+    if not 2 <= STAGES <= 4 or not 2 <= RAW <= 4 or smem_bytes(STAGES, RAW, tbulk) > smem_limit():
+        raise ConfigError(f"moe_prefill_ws: STAGES {STAGES}, RAW {RAW} (2..4 each, at most {smem_limit() // 1024} KiB "
+                          f"of dynamic shared memory)")
+    return _spec(kernel, STAGES, RAW, SKIP, LUT, tbulk, TMAJOR, MAX_EXPERTS)
 
 
 @functools.cache
-def _spec(kernel: str, stages: int, raw: int, skip: int, lut: bool, tbulk: bool, tmajor: bool) -> CudaKernelSpec:
+def _spec(kernel: str, stages: int, raw: int, skip: int, lut: bool, tbulk: bool, tmajor: bool,
+          max_experts: int) -> CudaKernelSpec:
     flags = (("SKIP", skip),) * bool(skip) + (("LUT", 1),) * lut + (("TBULK", 1),) * tbulk + (("TMAJOR", 1),) * tmajor
-    d = (("STAGES", stages), ("RAW", raw), *flags)
+    d = (("STAGES", stages), ("RAW", raw), ("MAXE", max_experts), *flags)
     return CudaKernelSpec("megamoe_prefill_ws", SOURCE, kernel, arg_types(_ARGS[kernel]), d, 12,
                           smem_bytes(stages, raw, tbulk))
 
@@ -320,6 +326,6 @@ def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.T
             ("srow", srow, torch.float32)))
     if p and tiles + nsh:
         runner(fc2_spec(), grid((tiles + nsh) * (h // 256), y.device),
-               [act8, a_s, order, wts, offs, rcode, rscale, rrow, y, xt, st, sas, sb, srow, t, h, inter, s, e, top_k,
-                slots, wexp, tiles, nsh])
+               [act8, a_s, order, wts, offs, rcode, rscale, rrow, y, xt, st, sas, sb, srow, t, h, inter, s,
+                e if routed else 0, top_k, slots, wexp, tiles, nsh])  # (E only sizes the routed tiles' table)
     return y

@@ -176,13 +176,40 @@ def test_fp8_state_ready_also_needs_the_weights_exponents(rng: torch.Generator,
     assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8") and pc._ws_shared(sh13)[0] is not img
     # the register-A pack is stale now: fp8 does not read it, bf16 does
     assert pc.state_ready(x, w13, w2, sh13, sh2, "fp8") and not pc.state_ready(x, w13, w2, sh13, sh2, "bf16")
-    monkeypatch.setattr(pc, "WS_SHARED_FC2", False)  # the shared FC2 tiles on the register-A kernel: the pack again
+    monkeypatch.setattr(pc, "WS_SHARED_FC2", False)  # the shared FC2 tiles on the register-A kernel: its w2 pack
+    assert pc.state_ready(x, w13, w2, sh13, sh2, "fp8")  # (current; the stale w13 pack stays unread)
+    sh2.scale.add_(0)
+    assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
+    pc._packed_shared(sh2)
+    assert pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
+    monkeypatch.setattr(pc, "WS_SHARED", False)  # and the shared FC1 tiles: the w13 pack, stale since its scale moved
     assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
     pc._packed_shared(sh13)
     assert pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
+    monkeypatch.setattr(pc, "WS_SHARED", True)
     monkeypatch.setattr(pc, "WS_SHARED_FC2", True)
+    assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")  # w2's image, stale since its scale moved
+    pc._ws_shared(sh2, gate_up=False)
+    assert pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
     w2.scale.view(torch.uint8).add_(0)  # a new version of a scale: its exponent is stale
     assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
+
+
+def test_the_plan_puts_each_shared_fc_where_its_pack_is_built(rng: torch.Generator) -> None:
+    """_plan (read by the call and by state_ready): the fp8 defaults run every tile on the warp-specialized kernels;
+    past MAX_EXPERTS the routed tiles and the shared FC1 go to the register-A kernels (which then need the w13 pack
+    only), the shared FC2 stays; bf16 and S = 0 run no warp-specialized shared tile; no shared expert, no pack."""
+    _, _, _, _, _, sh13, sh2 = _problem(4, 256, 256, 4, 2, 128, "nvfp4", "mxfp8", rng)
+    p = pc._plan(True, 256, 256, 4, sh13, sh2)
+    assert p == (True, pc.WS_FC2, True, True, True) and not p.register_a_sh and not p.register_a_sh2
+    p = pc._plan(True, 256, 256, pc.ws.MAX_EXPERTS + 1, sh13, sh2)
+    assert p == (False, False, False, True, True) and p.register_a_sh and not p.register_a_sh2
+    p = pc._plan(False, 256, 256, 4, sh13, sh2)
+    assert p == (False, False, False, False, True) and p.register_a_sh and p.register_a_sh2
+    empty = quant.MXFP8Tensor(sh13.data[:0], sh13.scale[:0])  # a zero-width shared expert: S = 0, nothing shared
+    p = pc._plan(True, 256, 256, 4, empty, sh2)
+    assert not (p.has_sh or p.ws_sh or p.ws_sh2 or p.register_a_sh or p.register_a_sh2)
+    assert not pc._plan(True, 256, 256, 4, None, None).register_a_sh
 
 
 def test_fp8_asked_where_only_triton_runs_warns(rng: torch.Generator) -> None:

@@ -114,7 +114,9 @@ __device__ __forceinline__ bool find_tile(const int* offs, int E, int r, int& ex
   return false;
 }
 
+#ifndef MAXE
 #define MAXE 1024  // the most experts the GEMM kernels take (moe_prefill_ws.MAX_EXPERTS; their tile table's size)
+#endif
 
 // tbase[e] = expert e's first routed tile (each expert's tiles of BT sorted pairs, in expert order), tbase[E] = the
 // routed tiles in all, for E <= MAXE experts (offs: their E + 1 pair offsets), THREADS experts a pass. All THREADS
