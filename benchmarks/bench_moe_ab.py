@@ -4,6 +4,7 @@ kernels take T, the expert launches alone over the same routing; the error again
 of the output (equal hashes: bitwise the same result).
 
 Usage (H200): PYTHONPATH=<tree> python benchmarks/bench_moe_ab.py --tag new --tokens 1,4,16,64 >> ab.jsonl
+A knob of one tree instead: ... --tag lf --knob LOADS_FIRST=1 (moe_cuda's module attributes, ints).
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tag", required=True)
     ap.add_argument("--tokens", default="1,4,16,64")
+    ap.add_argument("--knob", action="append", default=[], metavar="NAME=INT",
+                    help="set moe_cuda.NAME (an int or bool knob, e.g. LOADS_FIRST=1) before timing")
     args = ap.parse_args()
+    for kv in args.knob:
+        name, value = kv.split("=")
+        old = getattr(moe_cuda, name)  # (an unknown name fails here)
+        setattr(moe_cuda, name, type(old)(int(value)))
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)

@@ -347,6 +347,47 @@ def test_early_weight_loads_change_nothing_but_time(t: int, pdl: bool, monkeypat
     assert torch.equal(out, mm(new))
 
 
+def test_loads_first_puts_the_epilogues_loads_before_its_stores_in_sass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOADS_FIRST (the 1-8-token build): FC1 and FC2 issue no global load after their first store (without it each
+    of the epilogue's stores is followed by the next element's row-factor or routing-weight load); its own key."""
+    keys = {}
+    for first in (False, True):
+        monkeypatch.setattr(moe_cuda, "LOADS_FIRST", first)
+        specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", 1, False)
+        for spec in (specs[1], specs[3]):
+            assert (dict(spec.defines).get("LOADS_FIRST") == 1) == first
+            lines = kernel_sass(spec).splitlines()
+            stores = [k for k, line in enumerate(lines) if re.search(r"\bSTG", line)]
+            loads = [k for k, line in enumerate(lines) if re.search(r"\bLDG", line)]
+            assert stores and loads
+            assert (max(loads) < min(stores)) == first, (spec.kernel, first)
+            keys[spec.kernel, first] = spec.key()
+    assert keys["moe_fc1", True] != keys["moe_fc1", False] and keys["moe_fc2", True] != keys["moe_fc2", False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 13, 40])
+def test_loads_first_changes_nothing_but_time(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOADS_FIRST moves only loads: MegaMoE's decode is bitwise the default build's output (the 1-8-token, looping
+    NT = 1 and NT = 2 builds), eagerly and replayed from a CUDA graph with new tokens copied in."""
+    moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
+    monkeypatch.setattr(moe_cuda, "LOADS_FIRST", False)
+    default = mm(x)
+    assert float((default.float() - moe(x.float())).norm() / moe(x.float()).norm()) < 1.5e-2
+    monkeypatch.setattr(moe_cuda, "LOADS_FIRST", True)
+    assert torch.equal(mm(x), default)
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mm(static)
+    new = (torch.randn(x.shape, device="cuda") * 3).to(x.dtype)
+    static.copy_(new)
+    out.fill_(float("nan"))
+    graph.replay()
+    monkeypatch.setattr(moe_cuda, "LOADS_FIRST", False)
+    assert torch.equal(out, mm(new))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode", [0, 1])
 @pytest.mark.parametrize("t", [1, 3, 8, 13, 16, 17, 32, 33, 40, 64])
