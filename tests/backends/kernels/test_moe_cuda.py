@@ -4,6 +4,7 @@ dependency), and the kernels on the GPU against the reference MoE."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -347,22 +348,31 @@ def test_early_weight_loads_change_nothing_but_time(t: int, pdl: bool, monkeypat
     assert torch.equal(out, mm(new))
 
 
-def test_loads_first_puts_the_epilogues_loads_before_its_stores_in_sass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """LOADS_FIRST (the 1-8-token build): FC1 and FC2 issue no global load after their first store (without it each
-    of the epilogue's stores is followed by the next element's row-factor or routing-weight load); its own key."""
-    keys = {}
+@pytest.mark.parametrize("tokens", [1, 9, 33])
+def test_loads_first_puts_the_epilogues_loads_before_its_stores_in_sass(tokens: int,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LOADS_FIRST: in FC1 and FC2 no global load sits between two stores of a store run (without it the
+    1-8-token build's epilogue loads the next element's row factor or routing weight before each store); no spill
+    the default build lacks; its own key."""
+    nt, wide = moe_cuda.decode_build(tokens)
+    seen = {}
     for first in (False, True):
         monkeypatch.setattr(moe_cuda, "LOADS_FIRST", first)
-        specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", 1, False)
+        specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)
         for spec in (specs[1], specs[3]):
             assert (dict(spec.defines).get("LOADS_FIRST") == 1) == first
-            lines = kernel_sass(spec).splitlines()
-            stores = [k for k, line in enumerate(lines) if re.search(r"\bSTG", line)]
-            loads = [k for k, line in enumerate(lines) if re.search(r"\bLDG", line)]
-            assert stores and loads
-            assert (max(loads) < min(stores)) == first, (spec.kernel, first)
-            keys[spec.kernel, first] = spec.key()
-    assert keys["moe_fc1", True] != keys["moe_fc1", False] and keys["moe_fc2", True] != keys["moe_fc2", False]
+            words = [line.split("*/")[1].split() for line in kernel_sass(spec).splitlines()
+                     if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+            ops = [(w[1] if w[0].startswith("@") else w[0]).split(".")[0] for w in words]  # (predicated too)
+            stores = [k for k, op in enumerate(ops) if op == "STG"]
+            # loads between consecutive stores less than 40 instructions apart (one run of epilogue stores)
+            between = sum(op == "LDG" for a, b in itertools.pairwise(stores) if b - a < 40 for op in ops[a:b])
+            seen[spec.kernel, first] = (between, ops.count("STL"), spec.key())
+    for kernel in ("moe_fc1", "moe_fc2"):
+        assert seen[kernel, True][0] == 0 and seen[kernel, True][1] <= seen[kernel, False][1]
+        assert seen[kernel, True][2] != seen[kernel, False][2]
+    if (nt, wide) == (1, False):  # the plain build's epilogue interleaves them
+        assert seen["moe_fc1", False][0] > 0 and seen["moe_fc2", False][0] > 0
 
 
 @pytest.mark.gpu

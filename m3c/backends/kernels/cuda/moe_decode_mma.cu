@@ -677,7 +677,7 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
   // every load before the first store: out might alias rrow / wts for the compiler, so each store ordered the next
   // load after it (a dependent L2 round trip an output element; moe_prefill_ws's FC2 lost ~30% to it, RESULTS.md
   // session 29). The same products in the same order: bitwise the other build's output.
-  float f[ROWT][4], w[N][2];
+  float f[ROWT][4], w[N][2], m[N][2];
   int pr[N][2];
 #pragma unroll
   for (int t = 0; t < ROWT; ++t)
@@ -691,6 +691,7 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
       const int c = 8 * nt + 2 * j + u;
       pr[nt][u] = c < cnt ? cols.pair[cols.tok[c]] : 0;
       w[nt][u] = wts && c < cnt ? wts[pr[nt][u]] : 1.f;
+      m[nt][u] = c < cnt ? mult[c] : 0.f;  // (in registers too: the NT = 2 looping FC2 spilled without)
     }
 #pragma unroll
   for (int t = 0; t < ROWT; ++t)
@@ -701,7 +702,7 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
         const int c = 8 * nt + 2 * j + (i & 1);
         if (c < cnt)
           out[(long)pr[nt][i & 1] * out_stride + row + 16 * t + g + (i >= 2 ? 8 : 0)] =
-              acc[t][nt][i] * mult[c] * f[t][i] * w[nt][i & 1];
+              acc[t][nt][i] * m[nt][i & 1] * f[t][i] * w[nt][i & 1];
       }
 #else
 #pragma unroll
