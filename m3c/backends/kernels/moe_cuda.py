@@ -110,8 +110,8 @@ so on sm_90 NATURAL would not save it (it saves it where only the decode kernels
 Written without a GPU (CPU: the lane-level twin, the offline build): off until its GPU tests and a same-run timing
 against the prepacked stream have run (prediction: ~0.6 more SASS instructions a weight, 0-10% slower at T = 1)."""
 LOADS_FIRST = False
-"""FC1 / FC2's epilogue loads its row factors and routing weights before its first store (define ``LOADS_FIRST``;
-bitwise the same output). In the plain build each store ordered the next load after it, as the compiler could not
+"""FC1 / FC2's epilogue loads its row factors, token multipliers and routing weights before its first store
+(define ``LOADS_FIRST``; bitwise the same output). In the plain build each store ordered the next load after it, as the compiler could not
 tell ``out`` from ``rrow`` / ``wts`` (offline sm_90a SASS: an LDG before each STG of the epilogue): a dependent L2
 round trip an output element, at the tail of every CTA. The same pattern cost the warp-specialized prefill FC2
 ~30% (session 29); here it may be part of the ~4 µs a launch session 26 could not place. Written without a GPU: off

@@ -33,7 +33,7 @@
 #define EARLY 0    // 1: each warp issues its first super-chunk's weight loads before the CTA stages its tokens
 #endif
 #ifndef LOADS_FIRST
-#define LOADS_FIRST 0  // 1: run_tiles' epilogue loads its row factors and routing weights before its first store
+#define LOADS_FIRST 0  // 1: run_tiles' epilogue loads all it multiplies by before its first store (moe_cuda.py)
 #endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 // FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
