@@ -6,6 +6,7 @@
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points + CUDA kernels, MSA grid, traces (~330 s)
 #   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
 #   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with Triton
+#   bash benchmarks/device_check.sh loadsfirst   # moe_cuda.LOADS_FIRST: its GPU test, then A/B/A/B of the decode (~200 s)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -31,6 +32,8 @@ tests() {
   ($p tests/backends/kernels/test_moe_decode.py tests/backends/kernels/test_moe_cuda.py tests/fused/test_moe.py \
      tests/backends/kernels/test_moe_cuda_route.py tests/test_cli_compile.py \
      > "$OUT/t_moe_cli.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_cli.log") &
+  ($p tests/backends/kernels/test_moe_prefill_ws.py > "$OUT/t_moe_prefill_ws.log" 2>&1  # (float64 models: slow)
+   echo "rc=$?" >> "$OUT/t_moe_prefill_ws.log") &
   wait
   mark tests
   for f in "$OUT"/t_*.log; do echo "$(basename "$f"): $(grep -E 'passed|failed' "$f" | tail -1)"; grep -E '^FAILED' "$f"; done
@@ -57,6 +60,16 @@ attn() {  # the CUDA C++ attention decode (ATTN_CUDA) against the Triton one, th
   grep -E '^ +[0-9]' "$OUT/attn_cuda.txt" | head -40; tail -14 "$OUT/msa_attn_triton.txt"
 }
 
+loadsfirst() {  # moe_cuda.LOADS_FIRST (written without a GPU, session 29): bitwise the default, then timed against it
+  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda.py -k loads_first \
+    > "$OUT/t_loads_first.log" 2>&1; mark loads_first_test
+  for tag in base lf base lf; do
+    local knob=(); [ "$tag" = lf ] && knob=(--knob LOADS_FIRST=1)
+    timeout 60 python benchmarks/bench_moe_ab.py --tag "$tag" --tokens 1,4,8,16,40 "${knob[@]}" >> "$OUT/ab_loads_first.jsonl"
+  done; mark loads_first_ab
+  tail -2 "$OUT/t_loads_first.log"; cat "$OUT/ab_loads_first.jsonl"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -69,7 +82,7 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep or attn" >&2; exit 2 ;;
+    tests|bench|sweep|attn|loadsfirst) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn or loadsfirst" >&2; exit 2 ;;
   esac
 done
