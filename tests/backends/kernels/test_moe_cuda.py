@@ -329,12 +329,19 @@ def test_early_weight_loads_come_before_the_staging_in_sass(tokens: int, monkeyp
 def test_early_weight_loads_change_nothing_but_time(t: int, pdl: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """EARLY_LOAD moves only independent loads: MegaMoE's decode is bitwise the default build's output, with plain
     and programmatic launches, eagerly and replayed from a CUDA graph with new tokens copied in."""
-    moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
     monkeypatch.setattr(moe_cuda, "PDL", {1: moe_cuda.PDL_KERNELS, 2: moe_cuda.PDL_KERNELS} if pdl else {})
-    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", frozenset())
+    _bitwise_the_default(t, lambda on: monkeypatch.setattr(
+        moe_cuda, "EARLY_LOAD", frozenset({(1, False), (1, True), (2, True)} if on else ())))
+
+
+def _bitwise_the_default(t: int, knob) -> None:
+    """knob(True) changes only where or when the decode loads: MegaMoE's output is bitwise knob(False)'s (which is
+    near the reference), eagerly and replayed from a CUDA graph (captured with the knob on) with new tokens."""
+    moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
+    knob(False)
     default = mm(x)
     assert float((default.float() - moe(x.float())).norm() / moe(x.float()).norm()) < 1.5e-2
-    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", frozenset({(1, False), (1, True), (2, True)}))
+    knob(True)
     assert torch.equal(mm(x), default)
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
@@ -344,7 +351,7 @@ def test_early_weight_loads_change_nothing_but_time(t: int, pdl: bool, monkeypat
     static.copy_(new)
     out.fill_(float("nan"))
     graph.replay()
-    monkeypatch.setattr(moe_cuda, "EARLY_LOAD", frozenset())
+    knob(False)
     assert torch.equal(out, mm(new))
 
 
@@ -380,22 +387,7 @@ def test_loads_first_puts_the_epilogues_loads_before_its_stores_in_sass(tokens: 
 def test_loads_first_changes_nothing_but_time(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """LOADS_FIRST moves only loads: MegaMoE's decode is bitwise the default build's output (the 1-8-token, looping
     NT = 1 and NT = 2 builds), eagerly and replayed from a CUDA graph with new tokens copied in."""
-    moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
-    monkeypatch.setattr(moe_cuda, "LOADS_FIRST", False)
-    default = mm(x)
-    assert float((default.float() - moe(x.float())).norm() / moe(x.float()).norm()) < 1.5e-2
-    monkeypatch.setattr(moe_cuda, "LOADS_FIRST", True)
-    assert torch.equal(mm(x), default)
-    static = x.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = mm(static)
-    new = (torch.randn(x.shape, device="cuda") * 3).to(x.dtype)
-    static.copy_(new)
-    out.fill_(float("nan"))
-    graph.replay()
-    monkeypatch.setattr(moe_cuda, "LOADS_FIRST", False)
-    assert torch.equal(out, mm(new))
+    _bitwise_the_default(t, lambda on: monkeypatch.setattr(moe_cuda, "LOADS_FIRST", on))
 
 
 @pytest.mark.gpu
