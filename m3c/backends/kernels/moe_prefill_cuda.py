@@ -143,15 +143,12 @@ def check_precision(precision: str | None, name: str = "precision") -> str:
 
 
 def ws_specs(precision: str | None, hidden: int, inter: int, shared_inter: int = 0) -> tuple[CudaKernelSpec, ...]:
-    """The warp-specialized kernels' specs (and their tile image's) where :data:`WS_FC1` / :data:`WS_FC2` /
-    :data:`WS_SHARED_FC2` run them: fp8 without PROMOTE, H, I and the shared expert's S (0: none) they take."""
-    if check_precision(precision) != "fp8" or PROMOTE:
-        return ()
-    fc1 = WS_FC1 and ws.supports(hidden, inter)
-    fc2 = hidden % 256 == 0 and ((WS_FC2 and inter % 256 == 0)
-                                 or (shared_inter > 0 and WS_SHARED_FC2 and shared_inter % ws.KS == 0))
-    return (*((ws.fc1_spec(),) if fc1 else ()), *((ws.fc2_spec(),) if fc2 else ()),
-            *((ws.image_spec(),) if (fc1 and ws.TBULK) or fc2 else ()))
+    """The warp-specialized kernels' specs (and their tile image's) where a call would run them (:func:`_plan`, any
+    expert count it takes): fp8 without PROMOTE, H, I and the shared expert's S (0: none)."""
+    plan = _plan(check_precision(precision) == "fp8", hidden, inter, 1, shared_inter)
+    fc2 = plan.ws_fc2 or plan.ws_sh2
+    return (*((ws.fc1_spec(),) if plan.ws_fc1 else ()), *((ws.fc2_spec(),) if fc2 else ()),
+            *((ws.image_spec(),) if (plan.ws_fc1 and ws.TBULK) or fc2 else ()))
 
 
 def specs(precision: str | None = None) -> tuple[CudaKernelSpec, ...]:
@@ -255,19 +252,6 @@ def _ws_shared(w: MXFP8Tensor, gate_up: bool = True) -> tuple[torch.Tensor, torc
     return derived(w.data, _WS_SHARED_TAG, lambda: ws.shared_image(w, gate_up), also=(w.scale,))
 
 
-def _ws_shared_on(fp8: bool, hidden: int, inter: int, shared_w13: Any) -> bool:
-    """Whether this call's shared FC1 tiles run on the warp-specialized FC1 (:data:`WS_SHARED`)."""
-    return (fp8 and WS_FC1 and WS_SHARED and ws.TBULK and not PROMOTE and shared_w13 is not None
-            and ws.supports(hidden, inter) and (shared_w13.shape[0] // 2) % ws.COLS == 0)
-
-
-def _ws_shared_fc2_on(fp8: bool, hidden: int, shared_w2: Any) -> bool:
-    """Whether this call's shared FC2 tiles run on the warp-specialized FC2 (:data:`WS_SHARED_FC2`; H a multiple of
-    256 and S of 128 as :func:`supported` already asks)."""
-    return fp8 and WS_SHARED_FC2 and not PROMOTE and shared_w2 is not None and hidden % 256 == 0 \
-        and shared_w2.shape[1] % ws.KS == 0
-
-
 class _Plan(NamedTuple):
     """Which kernels one call runs (:func:`_plan`): the routed FC1 / FC2 tiles on the warp-specialized kernels, the
     shared expert's FC1 / FC2 tiles there (else on this module's kernels, which then need its MXFP8 pack)."""
@@ -289,14 +273,16 @@ class _Plan(NamedTuple):
         return self.has_sh and not self.ws_sh2
 
 
-def _plan(fp8: bool, hidden: int, inter: int, experts: int, shared_w13: Any, shared_w2: Any) -> _Plan:
-    """The kernels a call runs, from the knobs and shapes; :func:`moe_prefill_wgmma` and :func:`state_ready` both
-    decide by it (PROMOTE asks for float32 sums of each stage: only the register-A kernels do that)."""
+def _plan(fp8: bool, hidden: int, inter: int, experts: int, shared_inter: int) -> _Plan:
+    """The kernels a call runs, from the knobs and shapes (S = shared_inter, 0: no shared expert);
+    :func:`moe_prefill_wgmma`, :func:`state_ready` and :func:`ws_specs` all decide by it (PROMOTE asks for float32
+    sums of each stage: only the register-A kernels do that)."""
     ws_fc1 = fp8 and WS_FC1 and not PROMOTE and ws.supports(hidden, inter, experts)
-    ws_fc2 = fp8 and WS_FC2 and not PROMOTE and experts <= ws.MAX_EXPERTS  # (supported(): H and I multiples of 256)
-    has_sh = shared_w13 is not None and shared_w2 is not None and shared_w13.shape[0] // 2 > 0
-    return _Plan(ws_fc1, ws_fc2, has_sh and ws_fc1 and _ws_shared_on(fp8, hidden, inter, shared_w13),
-                 has_sh and _ws_shared_fc2_on(fp8, hidden, shared_w2), has_sh)
+    ws_fc2 = fp8 and WS_FC2 and not PROMOTE and hidden % 256 == 0 and inter % 256 == 0 and experts <= ws.MAX_EXPERTS
+    has_sh = shared_inter > 0
+    ws_sh = has_sh and ws_fc1 and WS_SHARED and ws.TBULK and shared_inter % ws.COLS == 0
+    ws_sh2 = has_sh and fp8 and WS_SHARED_FC2 and not PROMOTE and hidden % 256 == 0 and shared_inter % ws.KS == 0
+    return _Plan(ws_fc1, ws_fc2, ws_sh, ws_sh2, has_sh)
 
 
 def _k_order_key(device: torch.device, k: int) -> tuple:
@@ -319,7 +305,8 @@ def state_ready(x: torch.Tensor, w13: NVFP4Tensor, w2: NVFP4Tensor, shared_w13: 
     else:
         ok = is_prepacked(w13, w2) and persistent_ready(_k_order_key(x.device, h))
     ok = ok and mp.nvfp4_row_scales_ready(w13, (e, two_i)) and mp.nvfp4_row_scales_ready(w2, (e, h))
-    plan = _plan(check_precision(precision) == "fp8", h, two_i // 2, e, shared_w13, shared_w2)
+    s = shared_w13.shape[0] // 2 if shared_w13 is not None else 0
+    plan = _plan(check_precision(precision) == "fp8", h, two_i // 2, e, s)
     for w, used in ((shared_w13, plan.register_a_sh), (shared_w2, plan.register_a_sh2)):
         ok = ok and (not used or (derived_ready(w.data, _TAG) and derived_ready(w.scale, _TAG)))
     if plan.ws_sh:
@@ -385,8 +372,8 @@ def moe_prefill_wgmma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     c2, s2 = packed_pair(w2)
     g13 = mp.nvfp4_row_scales(w13, (e, 2 * i), "w13")
     g2 = mp.nvfp4_row_scales(w2, (e, h), "w2")
-    has_sh = s > 0
-    plan = _plan(fp8, h, i, e, shared_w13, shared_w2)
+    plan = _plan(fp8, h, i, e, s)
+    has_sh = plan.has_sh
     sc13 = ss13 = sc2 = ss2 = c13  # (placeholders where no register-A kernel runs the shared expert's tiles)
     if has_sh:
         mp.weight_args(shared_w13, "mxfp8", (2 * s, h), "shared_w13")

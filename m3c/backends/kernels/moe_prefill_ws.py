@@ -295,7 +295,7 @@ def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.T
     tiles = shape[0] if routed else 0
     where = f"moe_prefill_ws.fc2: act8 {tuple(act8.shape)}, y {tuple(y.shape)}"
     if h % 256 or inter % 256 or p != t * top_k or slots < top_k + (shared is not None) \
-            or not 0 < e <= (MAX_EXPERTS if routed else e):
+            or e < 1 or (routed and e > MAX_EXPERTS):
         raise ShapeError(f"{where}, top_k {top_k}, {e} experts: H and I must be multiples of 256, act8 [T * top_k, "
                          f"I], y [T, >= top_k, H] (> top_k with the shared expert), the routed experts at most "
                          f"{MAX_EXPERTS}")

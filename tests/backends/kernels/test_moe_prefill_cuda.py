@@ -195,21 +195,18 @@ def test_fp8_state_ready_also_needs_the_weights_exponents(rng: torch.Generator,
     assert not pc.state_ready(x, w13, w2, sh13, sh2, "fp8")
 
 
-def test_the_plan_puts_each_shared_fc_where_its_pack_is_built(rng: torch.Generator) -> None:
-    """_plan (read by the call and by state_ready): the fp8 defaults run every tile on the warp-specialized kernels;
-    past MAX_EXPERTS the routed tiles and the shared FC1 go to the register-A kernels (which then need the w13 pack
-    only), the shared FC2 stays; bf16 and S = 0 run no warp-specialized shared tile; no shared expert, no pack."""
-    _, _, _, _, _, sh13, sh2 = _problem(4, 256, 256, 4, 2, 128, "nvfp4", "mxfp8", rng)
-    p = pc._plan(True, 256, 256, 4, sh13, sh2)
+def test_the_plan_puts_each_shared_fc_where_its_pack_is_built() -> None:
+    """_plan (read by the call, state_ready and ws_specs): the fp8 defaults run every tile on the warp-specialized
+    kernels; past MAX_EXPERTS the routed tiles and the shared FC1 go to the register-A kernels (which then need the
+    w13 pack only), the shared FC2 stays; bf16 runs no warp-specialized tile; S = 0 (no shared expert): no pack."""
+    p = pc._plan(True, 256, 256, 4, 128)
     assert p == (True, pc.WS_FC2, True, True, True) and not p.register_a_sh and not p.register_a_sh2
-    p = pc._plan(True, 256, 256, pc.ws.MAX_EXPERTS + 1, sh13, sh2)
+    p = pc._plan(True, 256, 256, pc.ws.MAX_EXPERTS + 1, 128)
     assert p == (False, False, False, True, True) and p.register_a_sh and not p.register_a_sh2
-    p = pc._plan(False, 256, 256, 4, sh13, sh2)
+    p = pc._plan(False, 256, 256, 4, 128)
     assert p == (False, False, False, False, True) and p.register_a_sh and p.register_a_sh2
-    empty = quant.MXFP8Tensor(sh13.data[:0], sh13.scale[:0])  # a zero-width shared expert: S = 0, nothing shared
-    p = pc._plan(True, 256, 256, 4, empty, sh2)
+    p = pc._plan(True, 256, 256, 4, 0)
     assert not (p.has_sh or p.ws_sh or p.ws_sh2 or p.register_a_sh or p.register_a_sh2)
-    assert not pc._plan(True, 256, 256, 4, None, None).register_a_sh
 
 
 def test_fp8_asked_where_only_triton_runs_warns(rng: torch.Generator) -> None:
@@ -426,6 +423,7 @@ def test_fp8_build_gpu(t: int, h: int, inter: int, e: int, k: int, s: int, skew:
     monkeypatch.setattr(pc, "INFLIGHT", inflight)
     monkeypatch.setattr(pc, "PROMOTE", promote)
     monkeypatch.setattr(pc, "WS_FC1", False)  # (the register-A routed FC1 these builds vary; WS_FC1: its own test)
+    monkeypatch.setattr(pc, "WS_FC2", False)  # (and its routed FC2)
     monkeypatch.setattr(pc, "WS_SHARED_FC2", False)  # (and the shared expert's bf16 FC2 tiles beside the routed ones)
     sfmt = "mxfp8" if s else None
     x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", sfmt, rng, skew=skew, empty=empty)
@@ -506,7 +504,8 @@ def test_fp8_lut_build_equals_the_default_build_gpu(t: int, h: int, inter: int, 
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """LUT (the E4M3 product tables looked up by scale byte from a shared table built once a CTA) makes the same
     tables as the loop's own e4m3_tables: the whole op's output is bitwise the default build's (NaN-poisoned)."""
-    monkeypatch.setattr(pc, "WS_FC1", False)  # (LUT is the register-A kernels' knob: its routed FC1 too)
+    monkeypatch.setattr(pc, "WS_FC1", False)  # (LUT is the register-A kernels' knob: its routed FC1 and FC2 too)
+    monkeypatch.setattr(pc, "WS_FC2", False)
     x, ids, wts, w13, w2, sh13, sh2 = _problem(t, h, inter, e, k, s, "nvfp4", "mxfp8", rng, skew=skew, empty=empty)
     args = [_to(v, "cuda") for v in (x.bfloat16(), ids, wts, w13, w2, sh13, sh2)]
     outs = []
