@@ -4,7 +4,7 @@ kernels take T, the expert launches alone over the same routing; the error again
 of the output (equal hashes: bitwise the same result).
 
 Usage (H200): PYTHONPATH=<tree> python benchmarks/bench_moe_ab.py --tag new --tokens 1,4,16,64 >> ab.jsonl
-A knob of one tree instead: ... --tag lf --knob LOADS_FIRST=1 (moe_cuda's module attributes, ints).
+A knob of one tree instead: ... --tag d1 --knob DECODE=1 (moe_cuda's module attributes, ints).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--tag", required=True)
     ap.add_argument("--tokens", default="1,4,16,64")
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=INT",
-                    help="set moe_cuda.NAME (an int or bool knob, e.g. LOADS_FIRST=1) before timing")
+                    help="set moe_cuda.NAME (an int or bool knob, e.g. DECODE=1) before timing")
     args = ap.parse_args()
     for kv in args.knob:
         name, value = kv.split("=")

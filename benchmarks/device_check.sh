@@ -6,7 +6,7 @@
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points + CUDA kernels, MSA grid, traces (~330 s)
 #   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
 #   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with Triton
-#   bash benchmarks/device_check.sh loadsfirst   # moe_cuda.LOADS_FIRST: its GPU test, then A/B/A/B of the decode (~200 s)
+#   bash benchmarks/device_check.sh decode       # MegaMoE's decode GPU tests, then issue 6's decode table (~250 s)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -18,6 +18,9 @@ mark() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
 
 tests() {
   local p="python -m pytest -m gpu -q -p no:cacheprovider"
+  # six processes at once need the H200's 141 GB: on an 80 GB H100 they ran out of memory (session 30), so there
+  # the second three wait for the first three
+  local mib; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   ($p tests/backends/kernels/test_msa_attention.py tests/backends/kernels/test_msa_attention_cuda.py \
      tests/fused/test_sparse_attention.py tests/runtime tests/frontend \
      > "$OUT/t_attn_runtime.log" 2>&1; echo "rc=$?" >> "$OUT/t_attn_runtime.log") &
@@ -25,6 +28,7 @@ tests() {
    echo "rc=$?" >> "$OUT/t_moe_prefill.log") &
   ($p tests/backends/kernels/test_moe_prefill_cuda.py > "$OUT/t_moe_prefill_cuda.log" 2>&1  # with the fp8 builds: its own
    echo "rc=$?" >> "$OUT/t_moe_prefill_cuda.log") &
+  [ "${mib:-0}" -lt 100000 ] && wait
   ($p tests/backends/kernels/test_moe_routing.py tests/backends/kernels/test_qkv_fused.py \
      tests/backends/kernels/test_msa_indexer.py tests/backends/kernels/test_msa_indexer_cuda.py \
      > "$OUT/t_route_qkv_indexer.log" 2>&1
@@ -60,14 +64,11 @@ attn() {  # the CUDA C++ attention decode (ATTN_CUDA) against the Triton one, th
   grep -E '^ +[0-9]' "$OUT/attn_cuda.txt" | head -40; tail -14 "$OUT/msa_attn_triton.txt"
 }
 
-loadsfirst() {  # moe_cuda.LOADS_FIRST (written without a GPU, session 29): bitwise the default, then timed against it
-  timeout 120 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda.py -k loads_first \
-    > "$OUT/t_loads_first.log" 2>&1; mark loads_first_test
-  for tag in base lf base lf; do
-    local knob=(); [ "$tag" = lf ] && knob=(--knob LOADS_FIRST=1)
-    timeout 60 python benchmarks/bench_moe_ab.py --tag "$tag" --tokens 1,4,8,16,40 "${knob[@]}" >> "$OUT/ab_loads_first.jsonl"
-  done; mark loads_first_ab
-  tail -2 "$OUT/t_loads_first.log"; cat "$OUT/ab_loads_first.jsonl"
+decode() {  # MegaMoE's decode: its GPU tests against the reference, then issue 6's decode table (bench_moe.py)
+  timeout 150 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda.py \
+    -k "matches_reference or early or dependent" > "$OUT/t_moe_decode.log" 2>&1; mark moe_decode_tests
+  timeout 150 python benchmarks/bench_moe.py --tokens 1,4,16,64 > "$OUT/moe_decode.txt" 2>&1; mark moe_decode_table
+  tail -2 "$OUT/t_moe_decode.log"; grep -v '^{' "$OUT/moe_decode.txt" | tail -8
 }
 
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
@@ -82,7 +83,7 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|loadsfirst) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep, attn or loadsfirst" >&2; exit 2 ;;
+    tests|bench|sweep|attn|decode) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn or decode" >&2; exit 2 ;;
   esac
 done

@@ -109,13 +109,6 @@ copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill
 so on sm_90 NATURAL would not save it (it saves it where only the decode kernels run).
 Written without a GPU (CPU: the lane-level twin, the offline build): off until its GPU tests and a same-run timing
 against the prepacked stream have run (prediction: ~0.6 more SASS instructions a weight, 0-10% slower at T = 1)."""
-LOADS_FIRST = False
-"""FC1 / FC2's epilogue loads its row factors, token multipliers and routing weights before its first store
-(define ``LOADS_FIRST``; bitwise the same output). In the plain build each store ordered the next load after it, as the compiler could not
-tell ``out`` from ``rrow`` / ``wts`` (offline sm_90a SASS: an LDG before each STG of the epilogue): a dependent L2
-round trip an output element, at the tail of every CTA. The same pattern cost the warp-specialized prefill FC2
-~30% (session 29); here it may be part of the ~4 µs a launch session 26 could not place. Written without a GPU: off
-until its GPU tests and a same-run timing have run."""
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 """Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
@@ -259,17 +252,16 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
         raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, LOADS_FIRST)
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
-               early: bool = False, loads_first: bool = False) -> tuple[CudaKernelSpec, ...]:
+               early: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
-         *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
-         *((("LOADS_FIRST", 1),) if loads_first else ()))
+         *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()))
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)

@@ -356,38 +356,20 @@ def _bitwise_the_default(t: int, knob) -> None:
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 33])
-def test_loads_first_puts_the_epilogues_loads_before_its_stores_in_sass(tokens: int,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """LOADS_FIRST: in FC1 and FC2 no global load sits between two stores of a store run (without it the
-    1-8-token build's epilogue loads the next element's row factor or routing weight before each store); no spill
-    the default build lacks; its own key."""
+def test_epilogue_loads_come_before_its_stores_in_sass(tokens: int) -> None:
+    """FC1 and FC2's epilogue loads every row factor, token multiplier and routing weight before its first store:
+    no global load sits inside a run of epilogue stores (an LDG before each STG cost the decode 2-4%, session 30)."""
     nt, wide = moe_cuda.decode_build(tokens)
-    seen = {}
-    for first in (False, True):
-        monkeypatch.setattr(moe_cuda, "LOADS_FIRST", first)
-        specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)
-        for spec in (specs[1], specs[3]):
-            assert (dict(spec.defines).get("LOADS_FIRST") == 1) == first
-            words = [line.split("*/")[1].split() for line in kernel_sass(spec).splitlines()
-                     if re.search(r"/\*[0-9a-f]{4}\*/", line)]
-            ops = [(w[1] if w[0].startswith("@") else w[0]).split(".")[0] for w in words]  # (predicated too)
-            stores = [k for k, op in enumerate(ops) if op == "STG"]
-            # loads between consecutive stores less than 40 instructions apart (one run of epilogue stores)
-            between = sum(op == "LDG" for a, b in itertools.pairwise(stores) if b - a < 40 for op in ops[a:b])
-            seen[spec.kernel, first] = (between, ops.count("STL"), spec.key())
-    for kernel in ("moe_fc1", "moe_fc2"):
-        assert seen[kernel, True][0] == 0 and seen[kernel, True][1] <= seen[kernel, False][1]
-        assert seen[kernel, True][2] != seen[kernel, False][2]
-    if (nt, wide) == (1, False):  # the plain build's epilogue interleaves them
-        assert seen["moe_fc1", False][0] > 0 and seen["moe_fc2", False][0] > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 8, 13, 40])
-def test_loads_first_changes_nothing_but_time(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """LOADS_FIRST moves only loads: MegaMoE's decode is bitwise the default build's output (the 1-8-token, looping
-    NT = 1 and NT = 2 builds), eagerly and replayed from a CUDA graph with new tokens copied in."""
-    _bitwise_the_default(t, lambda on: monkeypatch.setattr(moe_cuda, "LOADS_FIRST", on))
+    specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)
+    for spec in (specs[1], specs[3]):
+        words = [line.split("*/")[1].split() for line in kernel_sass(spec).splitlines()
+                 if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+        ops = [(w[1] if w[0].startswith("@") else w[0]).split(".")[0] for w in words]  # (predicated too)
+        stores = [k for k, op in enumerate(ops) if op == "STG"]
+        assert len(stores) >= 8, spec.kernel
+        # loads between consecutive stores less than 40 instructions apart (one run of epilogue stores)
+        between = sum(op == "LDG" for a, b in itertools.pairwise(stores) if b - a < 40 for op in ops[a:b])
+        assert between == 0, (spec.kernel, between)
 
 
 @pytest.mark.gpu

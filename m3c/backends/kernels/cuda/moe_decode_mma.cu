@@ -32,9 +32,6 @@
 #ifndef EARLY
 #define EARLY 0    // 1: each warp issues its first super-chunk's weight loads before the CTA stages its tokens
 #endif
-#ifndef LOADS_FIRST
-#define LOADS_FIRST 0  // 1: run_tiles' epilogue loads all it multiplies by before its first store (moe_cuda.py)
-#endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 // FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
 // ptxas gives FC2 129 and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31
@@ -673,10 +670,9 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
     gemv<N>(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, cnt, acc, stage);
   }
   grid_wait();
-#if LOADS_FIRST
   // every load before the first store: out might alias rrow / wts for the compiler, so each store ordered the next
   // load after it (a dependent L2 round trip an output element; moe_prefill_ws's FC2 lost ~30% to it, RESULTS.md
-  // session 29). The same products in the same order: bitwise the other build's output.
+  // session 29; loading first cut the decode 2-4%, session 30). Bitwise the earlier order's output.
   float f[ROWT][4], w[N][2], m[N][2];
   int pr[N][2];
 #pragma unroll
@@ -704,24 +700,6 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
           out[(long)pr[nt][i & 1] * out_stride + row + 16 * t + g + (i >= 2 ? 8 : 0)] =
               acc[t][nt][i] * m[nt][i & 1] * f[t][i] * w[nt][i & 1];
       }
-#else
-#pragma unroll
-  for (int t = 0; t < ROWT; ++t) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = row + 16 * t + g + (i >= 2 ? 8 : 0);
-      const float f = b.expert >= 0 ? rrow[(long)b.expert * rows_total + r] : 1.f;
-#pragma unroll
-      for (int nt = 0; nt < N; ++nt) {
-        const int c = 8 * nt + 2 * j + (i & 1);
-        if (c < cnt) {
-          const int p = cols.pair[cols.tok[c]];
-          out[(long)p * out_stride + r] = acc[t][nt][i] * mult[c] * f * (wts ? wts[p] : 1.f);
-        }
-      }
-    }
-  }
-#endif
 }
 
 // run_tiles with the fewest 8-column tiles that hold the block's cnt columns (1 or NT).
