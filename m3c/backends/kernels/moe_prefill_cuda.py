@@ -278,7 +278,7 @@ def _plan(fp8: bool, hidden: int, inter: int, experts: int, shared_inter: int) -
     :func:`moe_prefill_wgmma`, :func:`state_ready` and :func:`ws_specs` all decide by it (PROMOTE asks for float32
     sums of each stage: only the register-A kernels do that)."""
     ws_fc1 = fp8 and WS_FC1 and not PROMOTE and ws.supports(hidden, inter, experts)
-    ws_fc2 = fp8 and WS_FC2 and not PROMOTE and hidden % 256 == 0 and inter % 256 == 0 and experts <= ws.MAX_EXPERTS
+    ws_fc2 = fp8 and WS_FC2 and not PROMOTE and ws.supports_fc2(hidden, inter, experts)
     has_sh = shared_inter > 0
     ws_sh = has_sh and ws_fc1 and WS_SHARED and ws.TBULK and shared_inter % ws.COLS == 0
     ws_sh2 = has_sh and fp8 and WS_SHARED_FC2 and not PROMOTE and hidden % 256 == 0 and shared_inter % ws.KS == 0

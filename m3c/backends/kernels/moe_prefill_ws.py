@@ -115,6 +115,12 @@ def supports(hidden: int, inter: int, experts: int = 1) -> bool:
     return hidden % 256 == 0 and inter % COLS == 0 and 0 < experts <= MAX_EXPERTS
 
 
+def supports_fc2(hidden: int, inter: int, experts: int = 1) -> bool:
+    """Whether :func:`fc2`'s routed tiles take H, I and E (H a multiple of 256: its 256-row CTAs; I of 256: whole
+    scale super-chunks; E at most :data:`MAX_EXPERTS`)."""
+    return hidden % 256 == 0 and inter % 256 == 0 and 0 < experts <= MAX_EXPERTS
+
+
 def grid(items: int, device: torch.device) -> tuple[int]:
     """The kernels' 1-D grid for ``items`` (tile, row block) work items: one CTA each, or with :data:`PERSIST` one
     CTA an SM (at most), each looping over every gridDim-th item."""
@@ -294,8 +300,8 @@ def fc2(act8: torch.Tensor, a_s: torch.Tensor, order: torch.Tensor, wts: torch.T
     shape = image_shape(p, e, inter)
     tiles = shape[0] if routed else 0
     where = f"moe_prefill_ws.fc2: act8 {tuple(act8.shape)}, y {tuple(y.shape)}"
-    if h % 256 or inter % 256 or p != t * top_k or slots < top_k + (shared is not None) \
-            or e < 1 or (routed and e > MAX_EXPERTS):
+    if not supports_fc2(h, inter, e if routed else min(e, 1)) or p != t * top_k \
+            or slots < top_k + (shared is not None):  # (E only sizes the routed tiles' table: the shared ones take any)
         raise ShapeError(f"{where}, top_k {top_k}, {e} experts: H and I must be multiples of 256, act8 [T * top_k, "
                          f"I], y [T, >= top_k, H] (> top_k with the shared expert), the routed experts at most "
                          f"{MAX_EXPERTS}")
