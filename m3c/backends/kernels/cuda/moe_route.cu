@@ -49,11 +49,6 @@ __device__ __forceinline__ float4 ld_stream_f4(const float* p) {
 }
 // Through L2 (another CTA's stores). __ldcg, not a volatile asm: the compiler may issue a thread's loads at once.
 __device__ __forceinline__ float ld_cg(const float* p) { return __ldcg(p); }
-__device__ __forceinline__ int arrive(int* counter) {  // atomicAdd(counter, 1), acq_rel at GPU scope
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
-  return old;
-}
 __device__ __forceinline__ u32 redux_max(u32 v) {
   u32 r;
   asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
@@ -207,17 +202,9 @@ moe_route_stage(const void* x, const float* gate, const float* bias, int T, int 
     for (int q = 0; q < (MAXT + 31) / 32; ++q)
       if (lane + 32 * q < T) part[((long)ks * T + lane + 32 * q) * E + e] = mine[q];
   }
-  // ---- arrive: a barrier, then one thread's acq_rel atomic (release: cumulative over the CTA's partial stores the
-  // barrier ordered before it; acquire: the other CTAs' partials before the last CTA's loads, which read L2 with
-  // ld.cg); the last CTA merges and routes
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int last = arrive(counter) == groups * KSPLIT - 1;
-    if (last) *(volatile int*)counter = 0;  // every CTA has arrived: zero for the next launch
-    is_last = last;
-  }
-  __syncthreads();
-  if (!is_last) return;
+  // ---- arrive (ptx_common's last_to_arrive; the merge reads the other CTAs' partials with ld.cg): the last CTA
+  // merges and routes
+  if (!last_to_arrive(counter, groups * KSPLIT, &is_last)) return;
   // Merge: one thread per (t, e) output sums its KSPLIT partials in ks order, MO outputs a thread a pass, MQ partials
   // of each loaded at once (unconditional loads from clamped addresses: no predicate per load, all in flight); a
   // warp's loads of one ks are 128 contiguous bytes (with t E + e outer, each load took 32 sectors: T = 16 18 us).

@@ -16,6 +16,28 @@ __device__ __forceinline__ void grid_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+__device__ __forceinline__ int arrive(int* counter) {  // atomicAdd(counter, 1), acq_rel at GPU scope
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
+// Whether this CTA is the last of `expect` to arrive at *counter (the same answer in every thread; every thread must
+// call it): a barrier, then one thread's acq_rel atomic (release: cumulative over the CTA's stores the barrier
+// ordered before it; acquire: the other CTAs' stores before the last CTA's loads, which must read L2: ld.cg). The
+// last CTA stores 0 to *counter (the next launch, or a CUDA-graph replay, finds it zero). `flag`: an int of shared
+// memory.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int expect, int* flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int last = arrive(counter) == expect - 1;
+    if (last) *(volatile int*)counter = 0;
+    *flag = last;
+  }
+  __syncthreads();
+  return *flag;
+}
+
 __device__ __forceinline__ uint4 ld_stream4(const u8* p) {  // 16 bytes read once: no L1 allocation
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
