@@ -65,7 +65,7 @@ import torch
 import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec, arg_types
-from m3c.backends.kernels.host import derived, derived_ready, persistent
+from m3c.backends.kernels.host import derived, derived_ready, persistent, persistent_ready
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, M3CError, ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -109,6 +109,20 @@ copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill
 so on sm_90 NATURAL would not save it (it saves it where only the decode kernels run).
 Written without a GPU (CPU: the lane-level twin, the offline build): off until its GPU tests and a same-run timing
 against the prepacked stream have run (prediction: ~0.6 more SASS instructions a weight, 0-10% slower at T = 1)."""
+FOLD_ACT = False
+"""No ``moe_act`` launch (define ``FOLD_ACT``): FC1's CTAs count their arrivals per act chunk (the gate and the up
+row block of 32 WARPS columns, every K split) at a counter the kernel leaves at zero; the last to arrive sums the
+chunk's splits and writes SiLU(gate) * up for its pairs unscaled (bf16 / float32 as the tokens), and each FC2 CTA
+stages its columns from those rows, finding each row's f16 scale from the whole row itself. Bitwise the launch's
+output (same sums, same scale). Written without a GPU: off until its bitwise test and a same-run timing have run
+(prediction: T = 1 -2 us, the act launch's 3.3 us segment less ~1 us of FC1 tail and longer FC2 staging)."""
+FOLD_COMBINE = False
+"""No ``moe_combine`` launch (define ``FOLD_COMBINE``): every FC2 CTA of a row block (each routed slot's, used or
+not, and each shared split's and column group's) arrives at the block's counter, which the kernel leaves at zero; the
+last to arrive sums the block's columns of the output for every token as the launch does (same order: bitwise its
+output). Written without a GPU: off until its bitwise test and a same-run timing have run (prediction: T = 1 -1.5
+to -2 us of the combine's 2.7 us segment; at T = 64 each row block's last CTA sums 64 tokens alone, which may cost
+more than the launch)."""
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 """Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
@@ -241,7 +255,8 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
               wide: bool = False) -> tuple[CudaKernelSpec, ...]:
-    """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens);
+    """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens; no act
+    with :data:`FOLD_ACT`, no combine with :data:`FOLD_COMBINE`);
     ``wide``: the looping build of NT (its CTAs loop over column groups of 8 NT; NT = 1 up to
     :data:`NT1_MAX_TOKENS` tokens, NT = 2 up to :data:`MAX_TOKENS`), else the build for 8 NT."""
     tmax = _tmax(nt, wide)
@@ -252,27 +267,31 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
         raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      min_ctas, tmax, (nt, wide) in EARLY_LOAD)
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, FOLD_ACT, FOLD_COMBINE)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
-               early: bool = False) -> tuple[CudaKernelSpec, ...]:
+               early: bool = False, fold_act: bool = False,
+               fold_combine: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
-         *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()))
+         *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
+         *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()))
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)
 
-    return (spec("moe_stage_x", "*x H *x16 *xmult", 8),
-            spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "
-                 "KSr KSs *h P ROWS", warps, _fc1_smem(hidden, shared_inter, nt)),
-            spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 16),
-            spec("moe_fc2", "*act16 *amult T *ids *wts topk E n_slots *rcode *rscale *rrow *scode *sscale I S H KSs P "
-                 "ROWS *y", warps, _fc2_smem(inter, shared_inter, nt)),
-            spec("moe_combine", "*y *ids E T topk KSs P H *out", 8))
+    fc1 = spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "
+               "KSr KSs *h P ROWS" + (" *act *counters" if fold_act else ""), warps,
+               _fc1_smem(hidden, shared_inter, nt))
+    fc2 = spec("moe_fc2", ("*act" if fold_act else "*act16 *amult") + " T *ids *wts topk E n_slots *rcode *rscale *rrow "
+               "*scode *sscale I S H KSs P ROWS *y" + (" *out *done" if fold_combine else ""), warps,
+               _fc2_smem(inter, shared_inter, nt))
+    return (spec("moe_stage_x", "*x H *x16 *xmult", 8), fc1,
+            *(() if fold_act else (spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 16),)),
+            fc2, *(() if fold_combine else (spec("moe_combine", "*y *ids E T topk KSs P H *out", 8),)))
 
 
 def route_supported(hidden: int, experts: int, top_k: int, act_dtype: str, tokens: int) -> str | None:
@@ -483,11 +502,18 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
     if ks1s < ks1:  # FC1's shared memory holds the routed split's K range (_fc1_smem)
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: the shared expert's must be at least the routed's")
-    stage_x, fc1, act_k, fc2, comb = mma_specs(hidden, inter, s, act, nt, wide)
+    specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide)}
+    fold, fold_combine = "moe_act" not in specs, "moe_combine" not in specs
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not is_prepacked(*packed):
-        raise CaptureError("moe_decode_mma: the prepacked weights are built at the first call, which must run "
-                           "outside CUDA-graph capture: call once eagerly (a warm-up) before capturing")
+    chm = max(inter, s) // _rows_per_cta()  # FOLD_ACT's act chunks an expert (counters a row of them)
+    counters_key = ("moe_fc1 act counters", str(x.device), e, chm)
+    done_key = ("moe_fc2 combine counters", str(x.device), hidden // _rows_per_cta())
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
+            is_prepacked(*packed) and (not fold or persistent_ready(counters_key))
+            and (not fold_combine or persistent_ready(done_key))):
+        raise CaptureError("moe_decode_mma: the prepacked weights (and FC1's act counters) are built at the first "
+                           "call, which must run outside CUDA-graph capture: call once eagerly (a warm-up) before "
+                           "capturing")
     if NATURAL:  # read in place: the shapes, dtypes and 16-byte alignment the prefill kernels also need
         if DECODE:
             raise ConfigError("moe_cuda: NATURAL decodes the routed experts with decode8 (f16); set DECODE = 0")
@@ -515,23 +541,35 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         x16 = torch.empty((t, hidden), dtype=torch.float16, device=dev)
         xmult = torch.empty(t, dtype=torch.float32, device=dev)
     h = torch.empty((max(ks1, ks1s), pairs, rows_ws), dtype=torch.float32, device=dev)
-    act16 = torch.empty((pairs, rows_ws // 2), dtype=torch.float16, device=dev)
-    amult = torch.empty(pairs, dtype=torch.float32, device=dev)
+    if fold:  # the act values, unscaled; a counter for each act chunk of each expert and shared column group
+        act_v = torch.empty((pairs, rows_ws // 2), dtype=x.dtype, device=dev)
+        counters = persistent(counters_key, lambda: torch.zeros((e + MAX_TOKENS // 8) * chm, dtype=torch.int32,
+                                                                device=dev))
+    else:
+        act16 = torch.empty((pairs, rows_ws // 2), dtype=torch.float16, device=dev)
+        amult = torch.empty(pairs, dtype=torch.float32, device=dev)
     y = torch.empty((ks2s, pairs, hidden), dtype=torch.float32, device=dev)
     out = torch.empty_like(x) if out is None else out
     xa = _aligned(x.contiguous())  # FC1's shared-expert items stage the tokens from x (16-byte vector loads)
     if not staged:
-        runner(stage_x, (t,), [xa, hidden, x16, xmult])
+        runner(specs["moe_stage_x"], (t,), [xa, hidden, x16, xmult])
     groups = -(-t // (8 * nt))  # the shared expert's column groups (a CTA each); routed CTAs loop over theirs
     rows = _rows_per_cta()
     grid1 = (n_slots * two_i // rows * ks1 + 2 * s // rows * ks1s * groups,)
-    runner(fc1, grid1, [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s,
-                        hidden, ks1, ks1s, h, pairs, rows_ws])
-    runner(act_k, (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
+    runner(specs["moe_fc1"], grid1, [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13,
+                                     ss13, 2 * s, hidden, ks1, ks1s, h, pairs, rows_ws,
+                                     *((act_v, counters) if fold else ())])
+    if not fold:
+        runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     grid2 = (n_slots * hidden // rows + (hidden // rows * ks2s * groups if shared else 0),)
-    runner(fc2, grid2, [act16, amult, t, ids, wts, top_k, e, n_slots, c2[0], c2[1], g2, sc2, ss2, inter, s, hidden,
-                        ks2s, pairs, rows_ws, y])
-    runner(comb, (triton.cdiv(hidden, 256), t), [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
+    done = persistent(done_key, lambda: torch.zeros(hidden // rows, dtype=torch.int32, device=dev)) \
+        if fold_combine else None  # a counter per FC2 row block
+    runner(specs["moe_fc2"], grid2, [*((act_v,) if fold else (act16, amult)), t, ids, wts, top_k, e, n_slots, c2[0],
+                                     c2[1], g2, sc2, ss2, inter, s, hidden, ks2s, pairs, rows_ws, y,
+                                     *((out, done) if fold_combine else ())])
+    if not fold_combine:
+        runner(specs["moe_combine"], (triton.cdiv(hidden, 256), t),
+               [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
     return out
 
 

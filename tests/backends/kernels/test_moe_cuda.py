@@ -355,6 +355,70 @@ def _bitwise_the_default(t: int, knob) -> None:
     assert torch.equal(out, mm(new))
 
 
+FOLDS = [("FOLD_ACT",), ("FOLD_COMBINE",), ("FOLD_ACT", "FOLD_COMBINE")]
+
+
+def _fold(monkeypatch: pytest.MonkeyPatch, knobs: tuple[str, ...], on: bool) -> None:
+    for knob in knobs:
+        monkeypatch.setattr(moe_cuda, knob, on)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 5, 13, 40, 64])
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("knobs", FOLDS)
+def test_folded_launches_are_bitwise_the_launches(t: int, pdl: bool, knobs: tuple[str, ...],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOLD_ACT computes the act launch's values and scales in FC1's last CTAs and FC2's staging, FOLD_COMBINE the
+    combine launch's sums in FC2's last CTAs: MegaMoE's decode is bitwise the launches' output, plain and
+    programmatic, eagerly and from a CUDA graph replay."""
+    monkeypatch.setattr(moe_cuda, "PDL", {1: moe_cuda.PDL_KERNELS, 2: moe_cuda.PDL_KERNELS} if pdl else {})
+    _bitwise_the_default(t, lambda on: _fold(monkeypatch, knobs, on))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, hot, shared, dtype", [(1, 0, "mxfp8", torch.float32), (3, 3, "none", torch.bfloat16),
+                                                   (13, 9, "mxfp8", torch.float32), (40, 33, "none", torch.bfloat16),
+                                                   (64, 64, "mxfp8", torch.bfloat16)])
+@pytest.mark.parametrize("knobs", FOLDS)
+def test_folded_launches_call_after_call(t: int, hot: int, shared: str, dtype: torch.dtype, knobs: tuple[str, ...],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folds' counters are left at zero by every launch: call after call (new tokens each time, hot experts, no
+    shared expert, float32 tokens scaled past f16's range), eagerly and replayed, the output is bitwise the
+    launches'."""
+    from m3c.fused.moe import hot_routing
+
+    moe, mm, x, _, _ = _case(t, 6144, 1536, 64, 8, shared, dtype)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    ids, w = hot_routing(t, 64, 8, hot, gen, "cuda")
+    moe.route = lambda _x: (ids, w)
+    w13, w2, s13, s2 = mm.weights()
+
+    def run(tokens: torch.Tensor, fold: bool) -> torch.Tensor:
+        _fold(monkeypatch, knobs, fold)
+        out = torch.full_like(tokens, float("nan"))
+        return moe_cuda.moe_decode_mma(tokens, ids, w, w13, w2, s13, s2, out=out)
+
+    scales = (1.0, 3e5 if dtype == torch.float32 else 40.0, 1e-3)
+    for scale in scales:
+        new = (torch.randn(x.shape, device="cuda") * scale).to(dtype)
+        want = run(new, False)
+        truth = moe(new.float())
+        assert float((want.float() - truth).norm() / truth.norm()) < 1.5e-2, scale
+        assert torch.equal(run(new, True), want), scale
+    static = x.clone()
+    run(static, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(static, True)
+    for scale in scales:
+        new = (torch.randn(x.shape, device="cuda") * scale).to(dtype)
+        static.copy_(new)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, run(new, False)), scale
+
+
 @pytest.mark.parametrize("tokens", [1, 9, 33])
 def test_epilogue_loads_come_before_its_stores_in_sass(tokens: int) -> None:
     """FC1 and FC2's epilogue loads every row factor, token multiplier and routing weight before its first store:
@@ -546,9 +610,12 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [3, 20, 40])
-def test_out_of_range_expert_id_gives_nan_not_garbage(t: int) -> None:
+@pytest.mark.parametrize("knobs", [(), *FOLDS])
+def test_out_of_range_expert_id_gives_nan_not_garbage(t: int, knobs: tuple[str, ...],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A routed id outside [0, E) (what NaN router logits select) has no CTA writing its rows: that token is NaN,
-    the others are unaffected."""
+    the others are unaffected (with the folds too: the slot left unused still arrives at FC2's counters)."""
+    _fold(monkeypatch, knobs, True)
     _, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
     w13, w2, s13, s2 = mm.weights()
     good = moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2)

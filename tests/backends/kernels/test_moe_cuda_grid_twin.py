@@ -147,3 +147,105 @@ def test_a_cta_size_the_kernels_cannot_run_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setattr(moe_cuda, "WARPS", 3)
     with pytest.raises(ConfigError, match="WARPS = 3"):
         moe_cuda.mma_specs(1024, 256, 256, "bf16", 1)
+
+
+@pytest.mark.parametrize("t,hot,warps", [(1, 0, 4), (5, 5, 4), (9, 0, 4), (16, 16, 4), (33, 0, 4), (40, 33, 4),
+                                         (64, 64, 4), (6, 6, 1), (32, 17, 1), (40, 33, 2)])
+@pytest.mark.parametrize("shared", [256, 0])
+def test_folded_act_counters_see_every_partial_and_act_is_written_once(t: int, hot: int, warps: int, shared: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOLD_ACT: every FC1 CTA arrives at its act chunk's counter (put_tail's index); each counter used gets exactly
+    the 2 x K-split arrivals it expects (so the last one computes the chunk and the counter is left at zero), every
+    index lies inside the host's counter buffer, and the last arrivals write each routed pair's [0, I) and each shared
+    token's [0, S) of act exactly once, nothing else."""
+    monkeypatch.setattr(moe_cuda, "WARPS", warps)
+    monkeypatch.setattr(moe_cuda, "FOLD_ACT", True)
+    hidden, inter, e, top_k = 1024, 256, 16, 4
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    ids = hot_routing(t, e, top_k, hot, gen)[0].numpy()
+    if t > 3:
+        ids[2, 1] = e  # an out-of-range id: its pair has no act
+    launches = _launches(t, hidden, inter, e, top_k, shared)
+    assert "moe_act" not in launches
+    spec, grid, a = launches["moe_fc1"]
+    assert dict(spec.defines)["FOLD_ACT"] == 1 and dict(launches["moe_fc2"][0].defines)["FOLD_ACT"] == 1
+    d = dict(spec.defines)
+    maxt, cta_rows = 8 * d["NT"], 32 * d["WARPS"]
+    groups_max = -(-d.get("TMAX", maxt) // maxt)
+    rows, srows, ksr, kss = a["rows"], a["srows"], a["KSr"], a["KSs"]
+    chm = max(rows, srows) // 2 // cta_rows
+    assert a["counters"].numel() == (e + moe_cuda.MAX_TOKENS // 8) * chm
+    assert a["act"].shape == (a["P"], a["ROWS"] // 2)
+    groups = 1 if groups_max == 1 else -(-t // maxt)
+    shared_items = srows // cta_rows * kss * groups
+    routed_items = a["n_slots"] * (rows // cta_rows) * ksr
+    arrivals: dict[int, list] = {}
+    for block in range(grid[0]):
+        item = routed_items + block if block < shared_items else block - shared_items
+        found = _find_block(item, ids, t, e, a["n_slots"], rows, srows, ksr, kss, maxt, groups_max, cta_rows)
+        if found is None:
+            continue
+        expert, row0, ks, grp = found
+        half = (rows if expert >= 0 else srows) // 2
+        k0 = row0 if row0 < half else row0 - half
+        index = (expert if expert >= 0 else e + max(grp, 0)) * chm + k0 // cta_rows
+        assert 0 <= index < a["counters"].numel()
+        cols = _columns(expert, ids, t, top_k)
+        c0, c1 = (0, len(cols)) if expert >= 0 else (max(grp, 0) * maxt, min(len(cols), max(grp, 0) * maxt + maxt))
+        arrivals.setdefault(index, []).append((ks, row0 >= half, k0, cols[c0:c1], ksr if expert >= 0 else kss))
+    written = np.zeros((a["P"], a["ROWS"] // 2), dtype=np.int64)
+    for index, came in arrivals.items():
+        splits = came[0][4]
+        assert len(came) == 2 * splits, (index, len(came))  # every gate and up block of every K split, once
+        assert sorted((ks, up) for ks, up, *_ in came) == [(ks, up) for ks in range(splits) for up in (False, True)]
+        _, _, k0, pairs, _ = came[-1]  # the last to arrive (any of them: they agree on chunk and columns)
+        assert all(c[2] == k0 and c[3] == pairs for c in came)
+        for p in pairs:
+            written[p, k0:k0 + cta_rows] += 1
+    want = np.zeros_like(written)
+    for n in range(t):
+        for k in range(top_k):
+            if 0 <= ids[n, k] < e:
+                want[n * top_k + k, :inter] = 1
+        if shared:
+            want[t * top_k + n, :shared] = 1
+    assert np.array_equal(written, want), np.argwhere(written != want)[:5]
+
+
+@pytest.mark.parametrize("t,hot,warps", [(1, 0, 4), (5, 5, 4), (9, 0, 4), (16, 16, 4), (33, 0, 4), (40, 33, 4),
+                                         (64, 64, 4), (6, 6, 1), (32, 17, 1), (40, 33, 2)])
+@pytest.mark.parametrize("shared", [256, 0])
+def test_folded_combine_counters_expect_every_fc2_cta_and_out_is_written_once(
+        t: int, hot: int, warps: int, shared: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FOLD_COMBINE: every FC2 CTA (an unused routed slot's too) arrives at its row block's counter, which expects
+    n_slots + the shared splits x column groups (combine_tail's count); each counter gets exactly that many, so the
+    last one sums its block for every token (each output element once) and leaves the counter at zero."""
+    monkeypatch.setattr(moe_cuda, "WARPS", warps)
+    monkeypatch.setattr(moe_cuda, "FOLD_COMBINE", True)
+    hidden, inter, e, top_k = 1024, 256, 16, 4
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    ids = hot_routing(t, e, top_k, hot, gen)[0].numpy()
+    if t > 3:
+        ids[2, 1] = e  # an out-of-range id (its token's output: NaN, written all the same)
+    launches = _launches(t, hidden, inter, e, top_k, shared)
+    assert "moe_combine" not in launches
+    spec, grid, a = launches["moe_fc2"]
+    d = dict(spec.defines)
+    assert d["FOLD_COMBINE"] == 1 and a["out"].shape == (t, hidden)
+    maxt, cta_rows = 8 * d["NT"], 32 * d["WARPS"]
+    groups_max = -(-d.get("TMAX", maxt) // maxt)
+    groups = 1 if groups_max == 1 else -(-t // maxt)
+    expect = a["n_slots"] + (a["KSs"] * groups if a["S"] else 0)  # combine_tail's count (SHARED_GROUPS(T))
+    assert a["done"].numel() == hidden // cta_rows
+    came = np.zeros(hidden // cta_rows, dtype=np.int64)
+    per = hidden // cta_rows
+    for block in range(grid[0]):
+        found = _find_block(block, ids, t, e, a["n_slots"], hidden, hidden if a["S"] else 0, 1, a["KSs"], maxt,
+                            groups_max, cta_rows)
+        if found is None:  # an unused routed slot (the grid's shared items all exist): it arrives all the same
+            assert block < a["n_slots"] * per
+            row0 = (block % per) * cta_rows
+        else:
+            row0 = found[1]
+        came[row0 // cta_rows] += 1
+    assert (came == expect).all(), (came, expect)

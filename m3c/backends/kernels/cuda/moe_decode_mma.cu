@@ -7,8 +7,11 @@
 // (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt, 2: the loads
 // alone, a benchmark probe), NATURAL (1: routed NVFP4 codes / scales read in their natural [E, rows, K / 2] /
 // [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked), EARLY (1: each
-// warp issues its first super-chunk's weight loads before its CTA stages the tokens: staged()).
-// Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine, each after moe_stage_x launched with
+// warp issues its first super-chunk's weight loads before its CTA stages the tokens: staged()), FOLD_ACT (1: no
+// moe_act launch: FC1's CTAs that finish an act chunk's last partial compute it, FC2 stages from it: act_tail(),
+// stage_act()), FOLD_COMBINE (1: no moe_combine launch: FC2's last CTA of each row block sums it: combine_tail()).
+// Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine (FOLD_ACT / FOLD_COMBINE: without
+// moe_act / moe_combine), each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
 // weights, with EARLY also loading its first super-chunk, though ptxas keeps those loads before the wait only in the
@@ -31,6 +34,12 @@
 #endif
 #ifndef EARLY
 #define EARLY 0    // 1: each warp issues its first super-chunk's weight loads before the CTA stages its tokens
+#endif
+#ifndef FOLD_ACT
+#define FOLD_ACT 0  // 1: act computed at the end of FC1 (act_tail) and staged by FC2 (stage_act): no moe_act launch
+#endif
+#ifndef FOLD_COMBINE
+#define FOLD_COMBINE 0  // 1: the combine done by FC2's last CTA of each row block (combine_tail): no moe_combine launch
 #endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 // FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
@@ -116,14 +125,15 @@ moe_stage_x(const void* x, int H, u16* x16, float* xmult, void* scratch0, void* 
   if (threadIdx.x == 0) xmult[n] = up;
 }
 
-// SiLU(gate) * up of pair row hp at columns k, k + 1 (k < K), gate / up summed over SPL K splits.
+// SiLU(gate) * up of pair row hp at columns k, k + 1 (k < K), gate / up summed over SPL K splits (read through L2:
+// with FOLD_ACT other CTAs of the same launch wrote them).
 template <int SPL>
 __device__ __forceinline__ void act_pair(const float* hp, long split, int K, int k, float* v) {
   float2 gv[SPL], uv[SPL];
 #pragma unroll
   for (int s = 0; s < SPL; ++s) {
-    gv[s] = *(const float2*)(hp + s * split + k);
-    uv[s] = *(const float2*)(hp + s * split + K + k);
+    gv[s] = __ldcg((const float2*)(hp + s * split + k));
+    uv[s] = __ldcg((const float2*)(hp + s * split + K + k));
   }
   float gs[2] = {0.f, 0.f}, us[2] = {0.f, 0.f};
 #pragma unroll
@@ -323,6 +333,37 @@ __device__ void stage_rows(const u16* src, const float* src_mult, const int* row
   for (int i = threadIdx.x; i < cnt; i += blockDim.x) mult[i] = src_mult[rowof[i]];
   __syncthreads();
 }
+
+#if FOLD_ACT
+// FC2's staging from FC1's folded act (bf16 / float32 values [pair, ld]), bitwise moe_act's act16 / amult staged by
+// stage_rows: xs[c, :Kc] = f16(act[rowof[c], k0 : k0 + Kc] 2^-e(c)), mult[c] = 2^e(c) for the columns c < cnt, e
+// from the largest magnitude of the whole row of K values (so the shared expert's K splits agree on it; NaN ignored,
+// as block_max's fmaxf). `amax`: MAXT words of shared scratch.
+__device__ void stage_act(const void* act, const int* rowof, int cnt, long ld, int K, int k0, int Kc, u16* xs,
+                          float* mult, u32* amax) {
+  for (int i = threadIdx.x; i < cnt; i += blockDim.x) amax[i] = 0u;
+  __syncthreads();
+  for_pieces<float4>(
+      cnt, K / 4, [&](int c, int q) { return load_act4(act, rowof[c] * ld + 4 * q); },
+      [&](int c, int, float4 v) { atomicMax(amax + c, __float_as_uint(amax4(0.f, v))); });  // (floats >= 0)
+  __syncthreads();
+  for (int i = threadIdx.x; i < cnt; i += blockDim.x) {
+    float down, up;
+    pow2_scale(__uint_as_float(amax[i]), down, up);
+    amax[i] = __float_as_uint(down);
+    mult[i] = up;
+  }
+  __syncthreads();
+  for_pieces<float4>(
+      cnt, Kc / 4, [&](int c, int q) { return load_act4(act, rowof[c] * ld + k0 + 4 * q); },
+      [&](int c, int q, float4 v) {
+        const float dn = __uint_as_float(amax[c]);
+        *(uint2*)(xs + c * (Kc + 4) + 4 * q) = make_uint2(f32x2_to_f16x2(v.x * dn, v.y * dn),
+                                                          f32x2_to_f16x2(v.z * dn, v.w * dn));
+      });
+  __syncthreads();
+}
+#endif
 
 // Stage the tokens straight from x (FC1's shared-expert items, before grid_wait(); bitwise what moe_stage_x and
 // moe_route_stage write: the max is exact, the scaling by 2^-e too): xs[c, :Kc] = f16(x[n0 + c, k0 : k0 + Kc]
@@ -767,21 +808,91 @@ __device__ __forceinline__ void for_groups(Groups* gs, const Block& b, int cnt, 
   }
 }
 
+#if FOLD_ACT
+// FC1's act tail (FOLD_ACT): what a CTA needs after its GEMV, kept in shared memory across it (in registers it
+// would cost the GEMV): the counter of its act chunk, the chunk's first column k0, K (I or S), FC1's K splits and
+// its compacted columns [c0, c0 + n).
+struct ActTail {
+  int* counter;
+  int k0, K, KS, c0, n;
+};
+
+// Set by one thread before the staging (whose barrier publishes it). A block of rows [row0, row0 + 32 WARPS) of the
+// gate rows [0, K) or the up rows [K, 2K) adds to act columns k0 = row0 mod K .. k0 + 32 WARPS - 1; that chunk's
+// counter (routed expert e's chunks at e CHM, the shared expert's column group grp at (E + grp) CHM; CHM =
+// max(I, S) / (32 WARPS)) expects the gate and the up block of every K split.
+__device__ __forceinline__ void put_tail(ActTail* at, const Block& b, int K, int E, int chm, int* counters, int c0,
+                                         int n) {
+  if (threadIdx.x == 0) {
+    const int k0 = b.row0 < K ? b.row0 : b.row0 - K;
+    at->counter = counters + (long)(b.expert >= 0 ? b.expert : E + max(b.grp, 0)) * chm + k0 / (32 * WARPS);
+    at->k0 = k0;
+    at->K = K;
+    at->KS = b.KS;
+    at->c0 = c0;
+    at->n = n;
+  }
+}
+
+template <int SPL>
+__device__ void act_chunk(const volatile ActTail* at, const int* pair, const int* tok, const float* h, long split,
+                          int ROWS, void* act) {
+  constexpr int PAIRS = 16 * WARPS;  // value pairs a chunk
+  const int k0 = at->k0, K = at->K, c0 = at->c0, n = at->n;
+  for (int i = threadIdx.x; i < n * PAIRS; i += blockDim.x) {
+    const int c = i / PAIRS, k = k0 + 2 * (i - c * PAIRS);
+    const int p = pair[tok[c0 + c]];
+    float v[2];
+    act_pair<SPL>(h + (long)p * ROWS, split, K, k, v);
+#if ACT_BF16  // (v is a bf16 value already: exact)
+    *(u32*)((u16*)act + (long)p * (ROWS / 2) + k) = (u32)bf16_bits(v[0]) | ((u32)bf16_bits(v[1]) << 16);
+#else
+    *(float2*)((float*)act + (long)p * (ROWS / 2) + k) = make_float2(v[0], v[1]);
+#endif
+  }
+}
+
+// The CTA that writes the last partial of its act chunk (last_to_arrive) computes the chunk: act[p, k0 .. k0 + 32
+// WARPS) = SiLU(gate) * up (moe_act's act_pair: the splits summed in order, bf16-rounded as the reference) for the
+// pairs p of its columns. The values go to FC2 unscaled (bf16 or float32 as the tokens): each FC2 CTA finds the
+// row's f16 scale itself (stage_act), which no CTA here sees whole.
+__device__ void act_tail(const ActTail* at, const int* pair, const int* tok, const float* h, long split, int ROWS,
+                         void* act, int* flag) {
+  const volatile ActTail* v = at;
+  if (!last_to_arrive(v->counter, 2 * v->KS, flag)) return;
+  switch (v->KS) {
+    case 1: act_chunk<1>(v, pair, tok, h, split, ROWS, act); break;
+    case 2: act_chunk<2>(v, pair, tok, h, split, ROWS, act); break;
+    case 4: act_chunk<4>(v, pair, tok, h, split, ROWS, act); break;
+    default: act_chunk<8>(v, pair, tok, h, split, ROWS, act); break;
+  }
+}
+#endif
+
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
 // expert's items come first in the grid and run their GEMV before grid_wait() (during the routing launch), staging
 // the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens) and stage
-// only the tokens that picked their expert.
+// only the tokens that picked their expert. With FOLD_ACT each CTA then arrives at its act chunk's counter, the last
+// one computing the chunk (act_tail).
 extern "C" __global__ void FC1_BOUNDS
 moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode,
-        const u8* sscale, int srows, int H, int KSr, int KSs, float* h, int P, int ROWS, void* scratch0,
-        void* scratch1) {
+        const u8* sscale, int srows, int H, int KSr, int KSs, float* h, int P, int ROWS,
+#if FOLD_ACT
+        void* act, int* counters,
+#endif
+        void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT], down[MAXT];
   __shared__ int pair[TMAX], tok[TMAX], cnt;
   __shared__ Groups gs;
-  grid_launch_dependents();  // moe_act waits for all of FC1
+#if FOLD_ACT
+  __shared__ ActTail tail;
+  __shared__ int is_last;
+  const int chm = max(rows, srows) / 2 / (32 * WARPS);
+#endif
+  grid_launch_dependents();  // moe_act (FOLD_ACT: FC2) waits for all of FC1
   const int shared_items = srows / (32 * WARPS) * KSs * SHARED_GROUPS(T);
   const int routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
   const bool shared = (int)blockIdx.x < shared_items;
@@ -794,6 +905,9 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
   find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
   u16* xs = (u16*)smem;
 #if GROUPS == 1
+#if FOLD_ACT
+  put_tail(&tail, b, (b.expert >= 0 ? rows : srows) / 2, E, chm, counters, 0, cnt);
+#endif
   staged(
       [&] {
         if (shared) {
@@ -806,17 +920,29 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
         run_cols(b, b.expert >= 0 ? rows : srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode,
                  sscale, nullptr, h + (long)b.ks * P * ROWS, ROWS, stage);
       });
+#if FOLD_ACT
+  act_tail(&tail, pair, tok, h, (long)P * ROWS, ROWS, act, &is_last);
+#endif
 #else
   if (shared) {  // its one column group (tokens MAXT grp ..), as straight code: the expert known to be the shared one
     Block g = b;
     g.expert = -1;
     const int c0 = g.grp * MAXT, n = min(MAXT, T - c0);
+#if FOLD_ACT
+    put_tail(&tail, g, srows / 2, E, chm, counters, c0, n);
+#endif
     staged([&] { stage_direct(x, c0, n, H, g.ks * Kc, Kc, xs, mult, down); }, [&](const auto& stage) {
       run_cols(g, srows, H, Kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
                h + (long)g.ks * P * ROWS, ROWS, stage);
     });
+#if FOLD_ACT
+    act_tail(&tail, pair, tok, h, (long)P * ROWS, ROWS, act, &is_last);
+#endif
     return;
   }
+#if FOLD_ACT
+  put_tail(&tail, b, rows / 2, E, chm, counters, 0, cnt);
+#endif
   for_groups(&gs, b, cnt, [&](const Block& g, int c0, int n) {  // a routed expert's groups in turn
     __builtin_assume(g.expert >= 0);
     const int kc = H / g.KS;
@@ -825,24 +951,115 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
                h + (long)g.ks * P * ROWS, ROWS, stage);
     });
   });
+#if FOLD_ACT
+  act_tail(&tail, pair, tok, h, (long)P * ROWS, ROWS, act, &is_last);
+#endif
 #endif
 }
 
-// FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs). Before
+// Whether every routed id of token n lies in [0, E): an id outside (what NaN router logits select) had no CTA write
+// its row, so the token's output is NaN.
+__device__ __forceinline__ bool ids_valid(const long long* ids, int n, int topk, int E) {
+  bool valid = true;
+  for (int k = 0; k < topk; ++k) {  // no short-circuit: the id loads need not wait on each other
+    const long long e = ids[n * topk + k];
+    valid &= e >= 0 && e < E;
+  }
+  return valid;
+}
+
+// out[n, c] = sum_k y[0, n * topk + k, c] (+ sum_s y[s, T * topk + n, c] over the shared expert's KSs splits), in
+// that order (NaN if not `valid`). The loads go 8 rows at a time before summing them in order (a load per add, one
+// after the other, took 15.7 us at T = 16: benchmarks/RESULTS.md, session 21), through L2 (FOLD_COMBINE: other CTAs
+// of the same launch wrote y).
+__device__ __forceinline__ void combine_at(const float* y, bool valid, int n, int c, int T, int topk, int KSs, int P,
+                                           int H, void* out) {
+  float s = valid ? 0.f : __uint_as_float(0x7FC00000u);
+  const int rows = (valid ? topk : 0) + KSs;  // routed rows n topk + k, then the shared splits' rows
+  for (int r0 = 0; r0 < rows; r0 += 8) {
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int r = r0 + u, k = r - (valid ? topk : 0);
+      const long row = k < 0 ? (long)n * topk + r : (long)k * P + T * topk + n;
+      v[u] = r < rows ? __ldcg(y + row * H + c) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u)
+      if (r0 + u < rows) s += v[u];
+  }
+#if ACT_BF16
+  ((u16*)out)[(long)n * H + c] = bf16_bits(s);
+#else
+  ((float*)out)[(long)n * H + c] = s;
+#endif
+}
+
+#if FOLD_COMBINE
+// FC2's combine (FOLD_COMBINE: no moe_combine launch). Every FC2 CTA of row block row0 (each routed slot's, used or
+// not, and each shared split's and column group's) arrives at the block's counter; the last one computes
+// out[n, row0 .. row0 + 32 WARPS) for every token n as moe_combine does (combine_at: the same sums in the same
+// order, bitwise its output).
+__device__ void combine_tail(int row0, const float* y, const long long* ids, int E, int T, int topk, int n_slots,
+                             int KSs, int S, int P, int H, void* out, int* done, int* flag) {
+  const int shared = S > 0 ? KSs : 0;
+  if (!last_to_arrive(done + row0 / (32 * WARPS), n_slots + shared * SHARED_GROUPS(T), flag)) return;
+  for (int i = threadIdx.x; i < T * 32 * WARPS; i += blockDim.x) {
+    const int n = i / (32 * WARPS), c = row0 + (i - n * 32 * WARPS);
+    combine_at(y, ids_valid(ids, n, topk, E), n, c, T, topk, shared, P, H, out);
+  }
+}
+#endif
+
+// FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs; FOLD_ACT:
+// act staged by stage_act). Before
 // grid_wait(): its expert, tokens and the L2 prefetch (the routing finished before FC1 passed its wait); with EARLY
 // the first super-chunk's weight loads come before the staging, which waits first (it reads act16; ptxas hoists
 // the wait above the routed path's loads, so only the shared expert's are issued before it).
 extern "C" __global__ void FC_BOUNDS
-moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const float* wts, int topk, int E,
+moe_fc2(
+#if FOLD_ACT
+        const void* act,  // FC1's folded act values (bf16 / float32 as the tokens), unscaled
+#else
+        const u16* act16, const float* amult,
+#endif
+        int T, const long long* ids, const float* wts, int topk, int E,
         int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
-        int S, int H, int KSs, int P, int ROWS, float* y, void* scratch0, void* scratch1) {
+        int S, int H, int KSs, int P, int ROWS, float* y,
+#if FOLD_COMBINE
+        void* out, int* done,  // the op's output; a counter per row block, left at zero
+#endif
+        void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT];
   __shared__ int pair[TMAX], tok[TMAX], rowof[TMAX], cnt;
   __shared__ Groups gs;
+#if FOLD_COMBINE
+  __shared__ int row0, is_last;  // (in shared memory across the GEMV)
+  auto combine = [&] { combine_tail(row0, y, ids, E, T, topk, n_slots, KSs, S, P, H, out, done, &is_last); };
+#endif
+#if FOLD_ACT
+  __shared__ u32 amax[MAXT];
+#endif
+  // the columns' act rows [k0, k0 + kc) of K into xs / mult
+  auto stage_cols = [&](const int* rows_of, int n, int k, int k0, int kc) {
+#if FOLD_ACT
+    stage_act(act, rows_of, n, ROWS / 2, k, k0, kc, (u16*)smem, mult, amax);
+#else
+    stage_rows(act16, amult, rows_of, n, ROWS / 2, k0, kc, (u16*)smem, mult);
+#endif
+  };
   Block b;
-  if (!find_block(b, blockIdx.x, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags)) return;
+  const bool found = find_block(b, blockIdx.x, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags);
+#if FOLD_COMBINE
+  if (threadIdx.x == 0) row0 = b.row0;
+  if (!found && b.expert == -2) {  // an unused routed slot arrives too (what it adds: nothing)
+    grid_wait();
+    combine();
+  }
+#endif
+  if (!found) return;
   const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
   prefetch_first(b, H, K, Kc, rcode, scode);
   find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
@@ -854,7 +1071,7 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
       [&] {
         grid_wait();
         grid_launch_dependents();
-        stage_rows(act16, amult, rowof, cnt, ROWS / 2, b.ks * Kc, Kc, xs, mult);
+        stage_cols(rowof, cnt, K, b.ks * Kc, Kc);
       },
       [&](const auto& stage) {
         run_cols(b, H, K, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode, sscale,
@@ -867,7 +1084,7 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
         [&] {
           grid_wait();  // the first group's: later ones return at once
           grid_launch_dependents();
-          stage_rows(act16, amult, rowof + c0, n, ROWS / 2, g.ks * kc, kc, xs, mult);
+          stage_cols(rowof + c0, n, k, g.ks * kc, kc);
         },
         [&](const auto& stage) {
           run_cols(g, H, k, kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale,
@@ -875,42 +1092,19 @@ moe_fc2(const u16* act16, const float* amult, int T, const long long* ids, const
         });
   });
 #endif
+#if FOLD_COMBINE
+  combine();
+#endif
 }
 
-// out[n, :] = sum_k y[0, n * topk + k, :] (+ sum_s y[s, T * topk + n, :] over the shared expert's KSs splits). A
-// routed id outside [0, E) (what NaN router logits select) had no CTA write its row: the token's output is NaN.
-// Each thread issues its column's loads 8 rows at a time before summing them in order (a load per add, one after the
-// other, took 15.7 us at T = 16: benchmarks/RESULTS.md, session 21).
+// out[n, :] = combine_at over every column, a CTA row per token (the launch FOLD_COMBINE folds into FC2).
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KSs, int P, int H, void* out,
             void* scratch0, void* scratch1) {
   grid_wait();
   grid_launch_dependents();
   const int n = blockIdx.y;
-  bool valid = true;
-  for (int k = 0; k < topk; ++k) {  // no short-circuit: the id loads need not wait on each other
-    const long long e = ids[n * topk + k];
-    valid &= e >= 0 && e < E;
-  }
-  for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256) {
-    float s = valid ? 0.f : __uint_as_float(0x7FC00000u);
-    const int rows = (valid ? topk : 0) + KSs;  // routed rows n topk + k, then the shared splits' rows
-    for (int r0 = 0; r0 < rows; r0 += 8) {
-      float v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int r = r0 + u, k = r - (valid ? topk : 0);
-        const long row = k < 0 ? (long)n * topk + r : (long)k * P + T * topk + n;
-        v[u] = r < rows ? y[row * H + c] : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u)
-        if (r0 + u < rows) s += v[u];
-    }
-#if ACT_BF16
-    ((u16*)out)[(long)n * H + c] = bf16_bits(s);
-#else
-    ((float*)out)[(long)n * H + c] = s;
-#endif
-  }
+  const bool valid = ids_valid(ids, n, topk, E);
+  for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256)
+    combine_at(y, valid, n, c, T, topk, KSs, P, H, out);
 }
