@@ -5,6 +5,7 @@ of the output (equal hashes: bitwise the same result).
 
 Usage (H200): PYTHONPATH=<tree> python benchmarks/bench_moe_ab.py --tag new --tokens 1,4,16,64 >> ab.jsonl
 A knob of one tree instead: ... --tag d1 --knob DECODE=1 (moe_cuda's module attributes, ints).
+Then: python benchmarks/bench_moe_ab.py --summarize ab.jsonl (a line per T and tag, the runs side by side).
 """
 
 from __future__ import annotations
@@ -42,14 +43,37 @@ def point(tag: str, t: int, moe, mm: MegaMoE, gen: torch.Generator) -> dict:
     return row
 
 
+def summarize(path: str) -> None:
+    """One line per (T, tag) of a JSON-lines file of runs: each run's whole op / experts µs in file order, the
+    output hashes (one hash across every tag of a T: the settings are bitwise the same) and the error."""
+    rows: dict[tuple[int, str], list[dict]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.startswith("{"):
+                r = json.loads(line)
+                rows.setdefault((r["T"], r["tag"]), []).append(r)
+    print(f"{'T':>3} {'tag':<24} {'megamoe us (runs)':<24} {'experts us (runs)':<24} {'hash':<14} err")
+    for (t, tag), rs in sorted(rows.items(), key=lambda kv: kv[0][0]):
+        mm = " / ".join(f"{r['megamoe_us']:.1f}" for r in rs)
+        ex = " / ".join(f"{r['experts_us']:.1f}" for r in rs if "experts_us" in r)
+        hashes = ",".join(sorted({r["hash"] for r in rs}))
+        print(f"{t:>3} {tag:<24} {mm:<24} {ex:<24} {hashes:<14} {rs[0]['err']:.2e}")
+
+
 def main() -> None:
-    """Time every T in this tree and print one JSON line per T."""
+    """Time every T in this tree and print one JSON line per T (or, with --summarize FILE, summarize such lines)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tag", required=True)
+    ap.add_argument("--summarize", metavar="JSONL", help="print the table of a file of runs and exit")
+    ap.add_argument("--tag")
     ap.add_argument("--tokens", default="1,4,16,64")
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=INT",
                     help="set moe_cuda.NAME (an int or bool knob, e.g. DECODE=1) before timing")
     args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
+    if not args.tag:
+        ap.error("--tag is required to time")
     for kv in args.knob:
         name, value = kv.split("=")
         old = getattr(moe_cuda, name)  # (an unknown name fails here)

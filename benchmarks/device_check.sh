@@ -7,6 +7,7 @@
 #   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
 #   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with Triton
 #   bash benchmarks/device_check.sh decode       # MegaMoE's decode GPU tests, then issue 6's decode table (~250 s)
+#   bash benchmarks/device_check.sh folds        # the act / combine folds: a same-run A/B, then their GPU tests
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -71,6 +72,26 @@ decode() {  # MegaMoE's decode: its GPU tests against the reference, then issue 
   tail -2 "$OUT/t_moe_decode.log"; grep -v '^{' "$OUT/moe_decode.txt" | tail -8
 }
 
+folds() {  # FOLD_ACT / FOLD_COMBINE: a same-run A/B of the decode (FOLD_REPS alternations, 2), then their GPU tests
+  local rep tag
+  for rep in $(seq "${FOLD_REPS:-2}"); do
+    for tag in none act combine both; do
+      local knobs=()
+      case $tag in
+        act) knobs=(--knob FOLD_ACT=1) ;;
+        combine) knobs=(--knob FOLD_COMBINE=1) ;;
+        both) knobs=(--knob FOLD_ACT=1 --knob FOLD_COMBINE=1) ;;
+      esac
+      timeout 100 python benchmarks/bench_moe_ab.py --tag "$tag" --tokens 1,4,16,64 "${knobs[@]}" \
+        >> "$OUT/folds_ab.jsonl" 2>> "$OUT/folds_ab.err"
+    done
+  done; mark folds_ab
+  python benchmarks/bench_moe_ab.py --summarize "$OUT/folds_ab.jsonl"
+  timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda.py \
+    -k "folded or out_of_range" > "$OUT/t_folds.log" 2>&1; mark fold_tests
+  tail -3 "$OUT/t_folds.log"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -83,7 +104,7 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep, attn or decode" >&2; exit 2 ;;
+    tests|bench|sweep|attn|decode|folds) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode or folds" >&2; exit 2 ;;
   esac
 done
