@@ -7,7 +7,7 @@
 #   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
 #   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with Triton
 #   bash benchmarks/device_check.sh decode       # MegaMoE's decode GPU tests, then issue 6's decode table (~250 s)
-#   bash benchmarks/device_check.sh folds        # the act / combine folds: a same-run A/B, then their GPU tests
+#   bash benchmarks/device_check.sh folds        # the act / combine folds: a same-run A/B, then the decode's GPU tests
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -72,23 +72,21 @@ decode() {  # MegaMoE's decode: its GPU tests against the reference, then issue 
   tail -2 "$OUT/t_moe_decode.log"; grep -v '^{' "$OUT/moe_decode.txt" | tail -8
 }
 
-folds() {  # FOLD_ACT / FOLD_COMBINE: a same-run A/B of the decode (FOLD_REPS alternations, 2), then their GPU tests
+folds() {  # the act / combine folds: a same-run A/B (none vs the default choice, FOLD_REPS alternations), their GPU
+  # tests (at every T: forced), the rest of the decode's GPU tests and the routing kernel's (its arrival is shared)
   local rep tag
   for rep in $(seq "${FOLD_REPS:-2}"); do
-    for tag in none act combine both; do
+    for tag in none default; do
       local knobs=()
-      case $tag in
-        act) knobs=(--knob FOLD_ACT=1) ;;
-        combine) knobs=(--knob FOLD_COMBINE=1) ;;
-        both) knobs=(--knob FOLD_ACT=1 --knob FOLD_COMBINE=1) ;;
-      esac
-      timeout 100 python benchmarks/bench_moe_ab.py --tag "$tag" --tokens 1,4,16,64 "${knobs[@]}" \
+      [ "$tag" = none ] && knobs=(--knob FOLD_ACT=0 --knob FOLD_COMBINE=0)
+      timeout 100 python benchmarks/bench_moe_ab.py --tag "$tag" --tokens "${FOLD_TOKENS:-1,4,16,64}" "${knobs[@]}" \
         >> "$OUT/folds_ab.jsonl" 2>> "$OUT/folds_ab.err"
     done
   done; mark folds_ab
   python benchmarks/bench_moe_ab.py --summarize "$OUT/folds_ab.jsonl"
-  timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda.py \
-    -k "folded or out_of_range" > "$OUT/t_folds.log" 2>&1; mark fold_tests
+  timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda.py \
+    tests/backends/kernels/test_moe_cuda_route.py -k "not test_route_stage_matches_fused_route_and_reference" \
+    > "$OUT/t_folds.log" 2>&1; mark fold_tests
   tail -3 "$OUT/t_folds.log"
 }
 

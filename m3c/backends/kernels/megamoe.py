@@ -40,9 +40,8 @@ from m3c.backends.kernels.host import cuda_kernel_device
 from m3c.backends.kernels.moe_cuda import MAX_TOKENS as MMA_MAX_TOKENS
 from m3c.backends.kernels.moe_cuda import (
     ROUTE_BUILD_TOKENS,
-    build_tokens,
+    call_build,
     call_support,
-    decode_build,
     mma_specs,
     mma_supported,
     moe_decode_mma,
@@ -115,9 +114,12 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     if why is not None:
         raise ShapeError(f"MegaMoE does not support this layout: {why}")
     mma: list[CudaKernelSpec] = []
-    for tokens in build_tokens():  # one token count per decode build: 1..8, 9..NT1_MAX_TOKENS, above
-        if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
-            mma += mma_specs(hidden, inter, shared_inter, act_dtype, *decode_build(tokens))
+    s_decode = shared_inter if shared_fmt != "none" else 0
+    builds = dict.fromkeys(  # the decode builds: 1..8, 9..NT1_MAX_TOKENS, above; folded where the grids fit one wave
+        call_build(t, hidden, inter, experts, top_k, s_decode) for t in range(1, MMA_MAX_TOKENS + 1)
+        if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, t) is None)
+    for build in builds:
+        mma += mma_specs(hidden, inter, shared_inter, act_dtype, *build)
     for tokens in ROUTE_BUILD_TOKENS:  # the routing launch's builds: 8, 16 and 64 tokens
         if route_supported(hidden, experts, top_k, act_dtype, tokens) is None and mma_supported(
                 hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:

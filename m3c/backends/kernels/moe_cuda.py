@@ -109,20 +109,25 @@ copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill
 so on sm_90 NATURAL would not save it (it saves it where only the decode kernels run).
 Written without a GPU (CPU: the lane-level twin, the offline build): off until its GPU tests and a same-run timing
 against the prepacked stream have run (prediction: ~0.6 more SASS instructions a weight, 0-10% slower at T = 1)."""
-FOLD_ACT = False
-"""No ``moe_act`` launch (define ``FOLD_ACT``): FC1's CTAs count their arrivals per act chunk (the gate and the up
-row block of 32 WARPS columns, every K split) at a counter the kernel leaves at zero; the last to arrive sums the
-chunk's splits and writes SiLU(gate) * up for its pairs unscaled (bf16 / float32 as the tokens), and each FC2 CTA
-stages its columns from those rows, finding each row's f16 scale from the whole row itself. Bitwise the launch's
-output (same sums, same scale). Written without a GPU: off until its bitwise test and a same-run timing have run
-(prediction: T = 1 -2 us, the act launch's 3.3 us segment less ~1 us of FC1 tail and longer FC2 staging)."""
-FOLD_COMBINE = False
-"""No ``moe_combine`` launch (define ``FOLD_COMBINE``): every FC2 CTA of a row block (each routed slot's, used or
-not, and each shared split's and column group's) arrives at the block's counter, which the kernel leaves at zero; the
-last to arrive sums the block's columns of the output for every token as the launch does (same order: bitwise its
-output). Written without a GPU: off until its bitwise test and a same-run timing have run (prediction: T = 1 -1.5
-to -2 us of the combine's 2.7 us segment; at T = 64 each row block's last CTA sums 64 tokens alone, which may cost
-more than the launch)."""
+FOLD_ACT = True
+"""No ``moe_act`` launch (define ``FOLD_ACT``) where the call folds (:func:`decode_folds`): FC1's CTAs count their
+arrivals per act chunk (the gate and the up row block of 32 WARPS columns, every K split) at a counter the kernel
+leaves at zero; the last to arrive sums the chunk's splits and writes SiLU(gate) * up for its pairs unscaled
+(bf16 / float32 as the tokens), and each FC2 CTA stages its columns from those rows, finding each row's f16 scale
+from the whole row itself. Bitwise the launch's output (same sums, same scale)."""
+FOLD_COMBINE = True
+"""No ``moe_combine`` launch (define ``FOLD_COMBINE``) where the call folds (:func:`decode_folds`): every FC2 CTA of
+a row block (each routed slot's, used or not, and each shared split's and column group's) arrives at the block's
+counter, which the kernel leaves at zero; the last to arrive sums the block's columns of the output for every token
+as the launch does (same order: bitwise its output)."""
+FOLD_MAX_CTAS = 132 * 4
+"""A call folds (:data:`FOLD_ACT`, :data:`FOLD_COMBINE`) when FC1's and FC2's grids each have at most this many CTAs
+of 4 warps (scaled by 4 / WARPS): one wave of an H200 (132 SMs, 4 resident CTAs each). Each folded CTA ends in a
+barrier and a release atomic, which waits for its stores to reach L2; in one wave nothing waits for its slot, but
+where CTAs queue for slots every wave pays it. Measured on the H200 with the folds forced at every T (same run, two
+alternations, whole op from CUDA graphs, benchmarks/RESULTS.md session 31): T = 1 (480 CTAs each) 61.5 / 61.4 ->
+60.1 / 60.2 us (act alone -0.6, combine alone -0.8), T = 4 112.1 -> 125.8 (both) / 117.8 (act) / 118.3 (combine),
+T = 16 255.6 -> 310.1, T = 64 507.4 -> 734.6."""
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 """Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
@@ -193,11 +198,6 @@ def _first_tokens(choice: Callable[[int], Any], most: int) -> tuple[int, ...]:
     return tuple(t for t in range(1, most + 1) if t == 1 or choice(t) != choice(t - 1))
 
 
-def build_tokens() -> tuple[int, ...]:
-    """One token count for each decode build that :func:`moe_decode_mma` chooses (for the offline lowering)."""
-    return _first_tokens(decode_build, MAX_TOKENS)
-
-
 def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inter: int, act_dtype: str,
                   w13_fmt: str, shared_fmt: str | None, tokens: int) -> str | None:
     """None if the CUDA decode kernels take this layout and token count, else the reason."""
@@ -253,12 +253,40 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
     return 8 * nt * (max(inter, shared_inter) + 4) * 2
 
 
-def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
-              wide: bool = False) -> tuple[CudaKernelSpec, ...]:
+def decode_grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
+                 shared_inter: int) -> tuple[int, int]:
+    """(FC1, FC2) grid sizes :func:`moe_decode_mma` launches for T tokens and this layout (shared_inter 0: no shared
+    expert)."""
+    nt = _nt(tokens)
+    ks1, ks1s, ks2s = _splits(hidden, shared_inter, nt)
+    n_slots, rows = min(experts, tokens * top_k), _rows_per_cta()
+    groups = -(-tokens // (8 * nt))  # the shared expert's column groups (a CTA each)
+    fc1 = n_slots * 2 * inter // rows * ks1 + 2 * shared_inter // rows * ks1s * groups
+    fc2 = n_slots * hidden // rows + (hidden // rows * ks2s * groups if shared_inter else 0)
+    return fc1, fc2
+
+
+def decode_folds(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> bool:
+    """Whether :func:`moe_decode_mma` folds the act / combine launches for T tokens and this layout: FC1's and FC2's
+    grids within :data:`FOLD_MAX_CTAS` (and :data:`FOLD_ACT` or :data:`FOLD_COMBINE` on)."""
+    most = FOLD_MAX_CTAS * 4 // WARPS
+    return (FOLD_ACT or FOLD_COMBINE) and max(decode_grids(tokens, hidden, inter, experts, top_k, shared_inter)) <= most
+
+
+def call_build(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
+               shared_inter: int) -> tuple[int, bool, bool]:
+    """(NT, looping, folded): the build :func:`moe_decode_mma` runs for T tokens of this layout (:func:`mma_specs`'
+    arguments; shared_inter 0: no shared expert)."""
+    return (*decode_build(tokens), decode_folds(tokens, hidden, inter, experts, top_k, shared_inter))
+
+
+def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1, wide: bool = False,
+              fold: bool = False) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens; no act
-    with :data:`FOLD_ACT`, no combine with :data:`FOLD_COMBINE`);
+    with ``fold`` and :data:`FOLD_ACT`, no combine with ``fold`` and :data:`FOLD_COMBINE`);
     ``wide``: the looping build of NT (its CTAs loop over column groups of 8 NT; NT = 1 up to
-    :data:`NT1_MAX_TOKENS` tokens, NT = 2 up to :data:`MAX_TOKENS`), else the build for 8 NT."""
+    :data:`NT1_MAX_TOKENS` tokens, NT = 2 up to :data:`MAX_TOKENS`), else the build for 8 NT; ``fold``: the build
+    for calls that fold (:func:`decode_folds`)."""
     tmax = _tmax(nt, wide)
     if WARPS not in _WARPS_TAKEN:
         raise ConfigError(f"moe_cuda: WARPS = {WARPS}: the decode kernels take {_WARPS_TAKEN}")
@@ -267,7 +295,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
         raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, FOLD_ACT, FOLD_COMBINE)
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE)
 
 
 @functools.cache
@@ -496,13 +524,14 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     shared = shared_w13 is not None
     s = shared_w13.data.shape[0] // 2 if shared else 0
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
-    nt, wide = decode_build(t)
+    nt, wide, folds = call_build(t, hidden, inter, e, top_k, s)
     ks1, ks1s, ks2s = _splits(hidden, s, nt)
     if not {ks1, ks1s} <= {1, 2, 4, 8}:  # moe_act sums FC1's splits by templates for these counts only
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
     if ks1s < ks1:  # FC1's shared memory holds the routed split's K range (_fc1_smem)
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: the shared expert's must be at least the routed's")
-    specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide)}
+    grid1, grid2 = decode_grids(t, hidden, inter, e, top_k, s)
+    specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide, folds)}
     fold, fold_combine = "moe_act" not in specs, "moe_combine" not in specs
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
     chm = max(inter, s) // _rows_per_cta()  # FOLD_ACT's act chunks an expert (counters a row of them)
@@ -553,20 +582,17 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     xa = _aligned(x.contiguous())  # FC1's shared-expert items stage the tokens from x (16-byte vector loads)
     if not staged:
         runner(specs["moe_stage_x"], (t,), [xa, hidden, x16, xmult])
-    groups = -(-t // (8 * nt))  # the shared expert's column groups (a CTA each); routed CTAs loop over theirs
     rows = _rows_per_cta()
-    grid1 = (n_slots * two_i // rows * ks1 + 2 * s // rows * ks1s * groups,)
-    runner(specs["moe_fc1"], grid1, [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13,
-                                     ss13, 2 * s, hidden, ks1, ks1s, h, pairs, rows_ws,
-                                     *((act_v, counters) if fold else ())])
+    runner(specs["moe_fc1"], (grid1,), [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i,
+                                        sc13, ss13, 2 * s, hidden, ks1, ks1s, h, pairs, rows_ws,
+                                        *((act_v, counters) if fold else ())])
     if not fold:
         runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
-    grid2 = (n_slots * hidden // rows + (hidden // rows * ks2s * groups if shared else 0),)
     done = persistent(done_key, lambda: torch.zeros(hidden // rows, dtype=torch.int32, device=dev)) \
         if fold_combine else None  # a counter per FC2 row block
-    runner(specs["moe_fc2"], grid2, [*((act_v,) if fold else (act16, amult)), t, ids, wts, top_k, e, n_slots, c2[0],
-                                     c2[1], g2, sc2, ss2, inter, s, hidden, ks2s, pairs, rows_ws, y,
-                                     *((out, done) if fold_combine else ())])
+    runner(specs["moe_fc2"], (grid2,), [*((act_v,) if fold else (act16, amult)), t, ids, wts, top_k, e, n_slots,
+                                        c2[0], c2[1], g2, sc2, ss2, inter, s, hidden, ks2s, pairs, rows_ws, y,
+                                        *((out, done) if fold_combine else ())])
     if not fold_combine:
         runner(specs["moe_combine"], (triton.cdiv(hidden, 256), t),
                [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])

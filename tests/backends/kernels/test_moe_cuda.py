@@ -219,7 +219,7 @@ def test_nt1_looping_build_takes_9_to_nt1_max_tokens(monkeypatch: pytest.MonkeyP
         sass = kernel_sass(spec)
         assert "HMMA.16816.F32" in sass and sass.count("STL") <= spills, spec.kernel
     monkeypatch.setattr(moe_cuda, "NT1_MAX_TOKENS", 16)
-    assert moe_cuda.decode_build(17) == (2, True) and moe_cuda.build_tokens() == (1, 9, 17)
+    assert moe_cuda.decode_build(17) == (2, True) and moe_cuda._first_tokens(moe_cuda.decode_build, 64) == (1, 9, 17)
     monkeypatch.setattr(moe_cuda, "NT1_MAX_TOKENS", 4)
     with pytest.raises(ConfigError, match="NT1_MAX_TOKENS = 4"):
         moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 1, wide=True)
@@ -272,9 +272,10 @@ def test_natural_launches_read_the_weights_in_place(monkeypatch: pytest.MonkeyPa
 
 
 def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """moe_act sums FC1's K splits by templates for 1, 2, 4 and 8 splits (another count would read other splits'
-    rows as its own): a split table giving 3 / 6 is refused before any launch, the default one launches; so is one
-    splitting the shared expert less than the routed ones."""
+    """moe_act (or, folded, FC1's act tail) sums FC1's K splits by templates for 1, 2, 4 and 8 splits (another count
+    would read other splits' rows as its own): a split table giving 3 / 6 is refused before any launch, the default
+    one launches (this small layout folds: no act launch); so is one splitting the shared expert less than the routed
+    ones."""
     from m3c.errors import ConfigError
 
     h, inter, e, k, t = 768, 256, 8, 2, 3
@@ -283,7 +284,7 @@ def test_fc1_splits_moe_act_cannot_sum_are_refused(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(moe_cuda, "NATURAL", True)  # no prepacked copy of the (uninitialized) weights
     seen: list = []
     moe_cuda.moe_decode_mma(x, ids, wts, w13, w2, s13, s2, runner=lambda sp, grid, args: seen.append(sp.kernel))
-    assert "moe_act" in seen
+    assert seen == ["moe_stage_x", "moe_fc1", "moe_fc2"]
     monkeypatch.setattr(moe_cuda, "_splits", lambda *_: (3, 6, 2))
     seen.clear()
     with pytest.raises(ConfigError, match="1, 2, 4 or 8"):
@@ -359,8 +360,34 @@ FOLDS = [("FOLD_ACT",), ("FOLD_COMBINE",), ("FOLD_ACT", "FOLD_COMBINE")]
 
 
 def _fold(monkeypatch: pytest.MonkeyPatch, knobs: tuple[str, ...], on: bool) -> None:
-    for knob in knobs:
-        monkeypatch.setattr(moe_cuda, knob, on)
+    """The folds named in `knobs` on at every T (not only where the grids fit one wave), or no fold at all."""
+    monkeypatch.setattr(moe_cuda, "FOLD_MAX_CTAS", 1 << 30)
+    for knob in ("FOLD_ACT", "FOLD_COMBINE"):
+        monkeypatch.setattr(moe_cuda, knob, on and knob in knobs)
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 33])
+def test_folded_builds_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folded builds: no act / combine kernel; FC1 and FC2 count arrivals with a global atomic, FC2 finds the act
+    rows' scales with shared-memory atomics, neither spills more than the unfolded build (the looping builds, which
+    fold only for small layouts: FC1 of NT = 1 4 words outside the GEMV, FC2 1), and launched programmatically FC1 releases FC2 (PREEXIT) only after waiting
+    for the routing (ACQBULK): FC2 reads the routing before its own wait."""
+    nt, wide = moe_cuda.decode_build(tokens)
+    monkeypatch.setattr(moe_cuda, "PDL", {nt: moe_cuda.PDL_KERNELS})
+    specs = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide, fold=True)}
+    plain = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)}
+    assert list(specs) == ["moe_stage_x", "moe_fc1", "moe_fc2"]
+    for kernel in ("moe_fc1", "moe_fc2"):
+        words = [line.split("*/")[1].split() for line in kernel_sass(specs[kernel]).splitlines()
+                 if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
+        ops = [w[1] if w[0].startswith("@") else w[0] for w in words]  # (predicated too)
+        assert any(op.startswith("ATOMG.E.ADD") for op in ops), kernel
+        spills = ops.count("STL") - kernel_sass(plain[kernel]).count("STL")
+        assert spills <= (4 if (kernel, nt, wide) == ("moe_fc1", 1, True) else int(wide)), (kernel, spills)
+        if kernel == "moe_fc1":
+            assert ops.index("ACQBULK") < ops.index("PREEXIT")
+        else:
+            assert any(op.startswith("ATOMS.") for op in ops)
 
 
 @pytest.mark.gpu
@@ -545,13 +572,17 @@ def test_megamoe_lowering_lists_and_compiles_the_cuda_kernels() -> None:
     specs = megamoe_specs(6144, 1536, 64, 8, 1536, "bf16", "nvfp4", "mxfp8")
     cuda = [s for s in specs if isinstance(s, CudaKernelSpec)]
     names = ["moe_stage_x", "moe_fc1", "moe_act", "moe_fc2", "moe_combine", "moe_route_stage"]
-    # the decode builds for 1..8, 9..NT1_MAX_TOKENS and more tokens, the routing launch's for 8, 16 and 64; the
-    # wgmma prefill
-    assert [s.kernel for s in cuda] == names[:5] * 3 + names[5:] * 3 + ["moe_pf_fc1", "moe_pf_fc2"]
-    assert len({s.key() for s in cuda}) == 20
-    builds = [(dict(s.defines)["NT"], dict(s.defines).get("TMAX")) for s in cuda[:15]]
-    assert builds == [(1, None)] * 5 + [(1, moe_cuda.NT1_MAX_TOKENS)] * 5 + [(2, 64)] * 5
-    assert [dict(s.defines)["NT"] for s in cuda[15:18]] == [1, 2, 8]
+    # the decode builds: 1 token (its grids fit one wave: folded, no act / combine launch), 2..8, 9..NT1_MAX_TOKENS
+    # and more tokens; the routing launch's for 8, 16 and 64; the wgmma prefill
+    assert [moe_cuda.decode_folds(t, 6144, 1536, 64, 8, 1536) for t in (1, 2, 8)] == [True, False, False]
+    folded = ["moe_stage_x", "moe_fc1", "moe_fc2"]
+    assert [s.kernel for s in cuda] == folded + names[:5] * 3 + names[5:] * 3 + ["moe_pf_fc1", "moe_pf_fc2"]
+    assert len({s.key() for s in cuda}) == 23
+    builds = [(dict(s.defines)["NT"], dict(s.defines).get("TMAX"), dict(s.defines).get("FOLD_ACT"),
+               dict(s.defines).get("FOLD_COMBINE")) for s in cuda[:18]]
+    assert builds == [(1, None, 1, 1)] * 3 + [(1, None, None, None)] * 5 + \
+        [(1, moe_cuda.NT1_MAX_TOKENS, None, None)] * 5 + [(2, 64, None, None)] * 5
+    assert [dict(s.defines)["NT"] for s in cuda[18:21]] == [1, 2, 8]
     got = compile_kernels(cuda[:2])
     assert [k.key for k in got] == [s.key() for s in cuda[:2]] and got[1].shared_bytes == cuda[1].shared_bytes
     assert got[1].arg_types[:4] == ["*u8", "*u8", "*u8", "i32"]  # fc1: x, x16, xmult, T
@@ -586,9 +617,12 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
                 runner=lambda sp, grid, args, seen=seen: seen.append((sp, grid, args)))
         kernels = [sp.kernel for sp, _, _ in seen if getattr(sp, "kernel", None)]
         routed_here = cuda_route  # else GEMV + fused_route + moe_stage_x
-        assert kernels == ["moe_route_stage" if routed_here else "moe_stage_x", "moe_fc1", "moe_act", "moe_fc2",
-                           "moe_combine"], (t, kernels)
-        assert len(seen) == (5 if routed_here else 6), t  # the old path also launches fused_route (Triton)
+        folds = t == 1  # the grids of one token fit one wave: no act / combine launch (decode_folds)
+        assert kernels == ["moe_route_stage" if routed_here else "moe_stage_x", "moe_fc1",
+                           *(() if folds else ("moe_act",)), "moe_fc2", *(() if folds else ("moe_combine",))], \
+            (t, kernels)
+        launches = 3 if folds else 5
+        assert len(seen) == (launches if routed_here else launches + 1), t  # the old path: fused_route (Triton) too
         assert all(sp.key() in listed for sp, _, _ in seen), t
         defines = dict(next(sp for sp, _, _ in seen if getattr(sp, "kernel", "") == "moe_fc1").defines)
         nt = defines["NT"]

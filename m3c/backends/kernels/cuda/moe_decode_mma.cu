@@ -16,7 +16,9 @@
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
 // weights, with EARLY also loading its first super-chunk, though ptxas keeps those loads before the wait only in the
 // shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and
-// nothing the previous two launches wrote is read (FC2 reads the routing, which finished before FC1 passed its wait).
+// nothing the previous two launches wrote is read: FC2 reads the routing there, and its predecessor (moe_act, or
+// FC1 with FOLD_ACT) releases FC2's launch only in CTAs past their own wait, when the routing launch has finished
+// (FOLD_ACT's FC1 once released it at its start: FC2's first CTAs read the previous call's routing at T = 1).
 #ifndef WARPS
 #define WARPS 4
 #endif
@@ -859,6 +861,7 @@ __device__ void act_chunk(const volatile ActTail* at, const int* pair, const int
 __device__ void act_tail(const ActTail* at, const int* pair, const int* tok, const float* h, long split, int ROWS,
                          void* act, int* flag) {
   const volatile ActTail* v = at;
+  grid_launch_dependents();  // (every CTA has waited by now: see moe_fc1)
   if (!last_to_arrive(v->counter, 2 * v->KS, flag)) return;
   switch (v->KS) {
     case 1: act_chunk<1>(v, pair, tok, h, split, ROWS, act); break;
@@ -892,12 +895,21 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
   __shared__ int is_last;
   const int chm = max(rows, srows) / 2 / (32 * WARPS);
 #endif
-  grid_launch_dependents();  // moe_act (FOLD_ACT: FC2) waits for all of FC1
   const int shared_items = srows / (32 * WARPS) * KSs * SHARED_GROUPS(T);
   const int routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
   const bool shared = (int)blockIdx.x < shared_items;
   const int item = shared ? routed_items + blockIdx.x : blockIdx.x - shared_items;
+#if FOLD_ACT
+  // FC2 follows at once and reads the routing before its grid_wait(), so it may launch only once the routing launch
+  // has finished: each CTA releases it after a wait (the shared-expert items in act_tail, after their GEMV)
+  if (!shared) {
+    grid_wait();
+    grid_launch_dependents();
+  }
+#else
+  grid_launch_dependents();  // moe_act waits for all of FC1 (and FC2 launches only after act's wait)
   if (!shared) grid_wait();
+#endif
   Block b;
   if (!find_block(b, item, ids, T, topk, E, n_slots, rows, srows, KSr, KSs, flags)) return;
   const int Kc = H / b.KS;
