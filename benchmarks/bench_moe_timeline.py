@@ -2,7 +2,8 @@
 programmatic dependent launches (PDL), by omission: the graph of all five launches (stage_x, FC1, act, FC2,
 combine) against the graphs with one launch left out, and the graphs of each prefix (stage_x; + FC1; + act; ...).
 A launch's cost in the graph is full minus the graph without it; a prefix's increments say when each launch ends.
-Outputs with a launch left out are wrong (nothing checks them): this measures time only.
+Outputs with a launch left out are wrong (nothing checks them): this measures time only. Where the decode folds act
+and combine into FC1 / FC2 (``moe_cuda.FOLD_ACT``: one token at m3.1-small's width) their rows read ~0.
 
 Why: session 25 measured, at T = 1, the expert launches alone at 59.7-62.5 µs plain and 67.9-68.1 with all four
 programmatic, while the kernels' own profiler times (eager) are the same either way: ~1.5-2 µs a programmatic edge,

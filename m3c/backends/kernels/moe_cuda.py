@@ -35,6 +35,10 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
 4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
    y[ks, pair, :]; its columns compacted as FC1's.
 5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic).
+Where FC1's and FC2's grids fit one wave (:data:`FOLD_MAX_CTAS`; one token at m3.1-small's width) steps 3 and 5 are
+folded into 2 and 4 (:data:`FOLD_ACT`, :data:`FOLD_COMBINE`): the last CTA to finish an act chunk computes it, FC2
+stages act with each row's scale itself, and the last FC2 CTA of a row block sums that block of the output; bitwise
+the launches' output.
 Touched experts are found on the device from topk_ids (the CTAs of unused slots exit at once). Steps 2-5 can be
 programmatic dependent launches (:data:`PDL`): each waits on its predecessor with ``griddepcontrol.wait`` before
 reading its outputs or writing anything.
@@ -127,7 +131,8 @@ barrier and a release atomic, which waits for its stores to reach L2; in one wav
 where CTAs queue for slots every wave pays it. Measured on the H200 with the folds forced at every T (same run, two
 alternations, whole op from CUDA graphs, benchmarks/RESULTS.md session 31): T = 1 (480 CTAs each) 61.5 / 61.4 ->
 60.1 / 60.2 us (act alone -0.6, combine alone -0.8), T = 4 112.1 -> 125.8 (both) / 117.8 (act) / 118.3 (combine),
-T = 16 255.6 -> 310.1, T = 64 507.4 -> 734.6."""
+T = 16 255.6 -> 310.1, T = 64 507.4 -> 734.6. As chosen (folded at T = 1 only): T = 1 61.6 / 61.6 -> 60.5 / 60.4 us,
+T = 4 unchanged (112.9-113.1)."""
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 """Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
