@@ -4,7 +4,7 @@ The decode kernels split K so each FC1 CTA streams a shorter range: routed FC1 2
 that, shared FC2 2. This times the expert launches (CUDA graphs, precomputed routing) for other choices side by side
 with the default, with the CTAs that do work (touched experts' and the shared expert's; the grid also holds
 exiting CTAs for untouched slots), and checks each output against the reference (a different split sums in another
-order: not bitwise). FC1 splits other than 1, 2, 4, 8 are refused (moe_act sums those only): such a setting's row
+order: not bitwise). FC1 splits other than 1, 2, 3, 4, 6, 8 are refused (act sums those only): such a setting's row
 records the error. ``--warps`` sets the FC1 / FC2 CTAs' warps (32 weight rows each; 4 ships), ``--decode 2`` adds
 the probe build that only streams the weights (bench_moe_mma.py): together, what grid the weight stream itself
 prefers. Usage (H200):

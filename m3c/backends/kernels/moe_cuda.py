@@ -531,8 +531,8 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
     nt, wide, folds = call_build(t, hidden, inter, e, top_k, s)
     ks1, ks1s, ks2s = _splits(hidden, s, nt)
-    if not {ks1, ks1s} <= {1, 2, 4, 8}:  # moe_act sums FC1's splits by templates for these counts only
-        raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: moe_act takes 1, 2, 4 or 8")
+    if not {ks1, ks1s} <= {1, 2, 3, 4, 6, 8}:  # act sums FC1's splits by templates for these counts only
+        raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: act takes 1, 2, 3, 4, 6 or 8")
     if ks1s < ks1:  # FC1's shared memory holds the routed split's K range (_fc1_smem)
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: the shared expert's must be at least the routed's")
     grid1, grid2 = decode_grids(t, hidden, inter, e, top_k, s)

@@ -170,7 +170,7 @@ __device__ void act_row(const float* hp, long split, int K, float (&v)[8], float
 }
 
 // act16[p, :K] = f16(SiLU(gate) * up * 2^-e(p)), amult[p] = 2^e(p), gate / up summed over FC1's K splits of pair p
-// (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits 1, 2, 4 or 8).
+// (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits 1, 2, 3, 4, 6 or 8).
 // One CTA of 512 threads per pair; each thread keeps its (<= 4) value pairs in registers (with 256 threads and 8
 // pairs a thread, T = 16 took 12 us: benchmarks/RESULTS.md, session 21).
 extern "C" __global__ void __launch_bounds__(ACT_THREADS)
@@ -188,7 +188,9 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
   switch (splits) {
     case 1: act_row<1>(hp, split, K, v, m); break;
     case 2: act_row<2>(hp, split, K, v, m); break;
+    case 3: act_row<3>(hp, split, K, v, m); break;
     case 4: act_row<4>(hp, split, K, v, m); break;
+    case 6: act_row<6>(hp, split, K, v, m); break;
     default: act_row<8>(hp, split, K, v, m); break;
   }
   float down, up;
@@ -866,7 +868,9 @@ __device__ void act_tail(const ActTail* at, const int* pair, const int* tok, con
   switch (v->KS) {
     case 1: act_chunk<1>(v, pair, tok, h, split, ROWS, act); break;
     case 2: act_chunk<2>(v, pair, tok, h, split, ROWS, act); break;
+    case 3: act_chunk<3>(v, pair, tok, h, split, ROWS, act); break;
     case 4: act_chunk<4>(v, pair, tok, h, split, ROWS, act); break;
+    case 6: act_chunk<6>(v, pair, tok, h, split, ROWS, act); break;
     default: act_chunk<8>(v, pair, tok, h, split, ROWS, act); break;
   }
 }
