@@ -1,7 +1,7 @@
 """Benchmark: the CUDA C++ MegaMoE decode's grid: K splits (moe_cuda._splits) and CTA size (moe_cuda.WARPS), m3.1-small.
 
 The decode kernels split K so each FC1 CTA streams a shorter range: routed FC1 2 NT splits, the shared expert twice
-that, shared FC2 2. This times the expert launches (CUDA graphs, precomputed routing) for other choices side by side
+that (3x where FC1's grid is one wave: moe_cuda.call_splits), shared FC2 2. This times the expert launches (CUDA graphs, precomputed routing) for other choices side by side
 with the default, with the CTAs that do work (touched experts' and the shared expert's; the grid also holds
 exiting CTAs for untouched slots), and checks each output against the reference (a different split sums in another
 order: not bitwise). FC1 splits other than 1, 2, 3, 4, 6, 8 are refused (act sums those only): such a setting's row
@@ -34,15 +34,16 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple]) -
     """One T: every (splits, warps, decode) setting's time and error."""
     x, ids, w, touched, floor_ms, truth = decode_point(t, moe, mm, gen)
     w13, w2, s13, s2 = mm.weights()
-    default, saved = moe_cuda._splits, (moe_cuda.WARPS, moe_cuda.DECODE)
+    default, saved = moe_cuda._splits, (moe_cuda.WARPS, moe_cuda.DECODE, moe_cuda.BALANCE_SHARED)
     rows = []
     try:
         for ks, warps, decode in settings:
             moe_cuda._splits = _fixed(ks) if ks else default
             moe_cuda.WARPS, moe_cuda.DECODE = warps, decode
+            moe_cuda.BALANCE_SHARED = saved[2] and not ks  # a fixed split as given; "default": the module's choice
             moe_cuda._mma_specs.cache_clear()  # its shared-memory sizes follow the splits
             nt = moe_cuda._nt(t)
-            r1, r1s, r2s = ks or default(H, S, nt)
+            r1, r1s, r2s = moe_cuda.call_splits(t, H, INTER, E, K, S)
             cta, groups = 32 * warps, -(-t // (8 * nt))  # the shared expert: a CTA per column group, as moe_decode_mma
             row = {"T": t, "experts": touched, "splits": [r1, r1s, r2s], "warps": warps, "decode": decode,
                    "floor_ms": floor_ms,
@@ -60,7 +61,7 @@ def run(t: int, moe, mm: MegaMoE, gen: torch.Generator, settings: list[tuple]) -
             rows.append(row)
     finally:
         moe_cuda._splits = default
-        moe_cuda.WARPS, moe_cuda.DECODE = saved
+        moe_cuda.WARPS, moe_cuda.DECODE, moe_cuda.BALANCE_SHARED = saved
         moe_cuda._mma_specs.cache_clear()
     return rows
 

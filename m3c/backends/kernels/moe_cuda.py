@@ -35,7 +35,7 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
 4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
    y[ks, pair, :]; its columns compacted as FC1's.
 5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic).
-Where FC1's and FC2's grids fit one wave (:data:`FOLD_MAX_CTAS`; one token at m3.1-small's width) steps 3 and 5 are
+Where FC1's and FC2's grids fit one wave (:data:`ONE_WAVE_CTAS`; one token at m3.1-small's width) steps 3 and 5 are
 folded into 2 and 4 (:data:`FOLD_ACT`, :data:`FOLD_COMBINE`): the last CTA to finish an act chunk computes it, FC2
 stages act with each row's scale itself, and the last FC2 CTA of a row block sums that block of the output; bitwise
 the launches' output.
@@ -124,15 +124,22 @@ FOLD_COMBINE = True
 a row block (each routed slot's, used or not, and each shared split's and column group's) arrives at the block's
 counter, which the kernel leaves at zero; the last to arrive sums the block's columns of the output for every token
 as the launch does (same order: bitwise its output)."""
-FOLD_MAX_CTAS = 132 * 4
-"""A call folds (:data:`FOLD_ACT`, :data:`FOLD_COMBINE`) when FC1's and FC2's grids each have at most this many CTAs
-of 4 warps (scaled by 4 / WARPS): one wave of an H200 (132 SMs, 4 resident CTAs each). Each folded CTA ends in a
+ONE_WAVE_CTAS = 132 * 4
+"""CTAs of 4 warps (scaled by 4 / WARPS) in one wave of an H200 (132 SMs, 4 resident CTAs each). A call folds
+(:data:`FOLD_ACT`, :data:`FOLD_COMBINE`) when FC1's and FC2's grids each have at most this many. Each folded CTA ends in a
 barrier and a release atomic, which waits for its stores to reach L2; in one wave nothing waits for its slot, but
 where CTAs queue for slots every wave pays it. Measured on the H200 with the folds forced at every T (same run, two
 alternations, whole op from CUDA graphs, benchmarks/RESULTS.md session 31): T = 1 (480 CTAs each) 61.5 / 61.4 ->
 60.1 / 60.2 us (act alone -0.6, combine alone -0.8), T = 4 112.1 -> 125.8 (both) / 117.8 (act) / 118.3 (combine),
 T = 16 255.6 -> 310.1, T = 64 507.4 -> 734.6. As chosen (folded at T = 1 only): T = 1 61.6 / 61.6 -> 60.5 / 60.4 us,
 T = 4 unchanged (112.9-113.1)."""
+BALANCE_SHARED = True
+"""Where FC1's grid is one wave (:data:`ONE_WAVE_CTAS`), split the shared expert's FC1 rows 3x as often as the routed
+ones instead of 2x if the grid still fits (:func:`call_splits`): at T = 1 (8 experts, m3.1-small) 480 CTAs become
+528, one per slot of an H200, where 480 left 84 SMs with four long CTAs and 48 with three. Measured (experts alone,
+CUDA graphs, same runs, benchmarks/RESULTS.md session 31): T = 1 56.9 / 56.6 / 56.7 / 56.7 -> 55.1 / 55.2 / 55.1 /
+55.3 us; at T = 2, 4 and 24 (grids of several waves) the same split was 0.3-3 us slower, so it stays one-wave only.
+Splitting FC2's shared rows 3x too (528 FC2 CTAs) was slower at T = 1 (+1 to +2.6 us)."""
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 """Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
@@ -258,12 +265,9 @@ def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
     return 8 * nt * (max(inter, shared_inter) + 4) * 2
 
 
-def decode_grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
-                 shared_inter: int) -> tuple[int, int]:
-    """(FC1, FC2) grid sizes :func:`moe_decode_mma` launches for T tokens and this layout (shared_inter 0: no shared
-    expert)."""
-    nt = _nt(tokens)
-    ks1, ks1s, ks2s = _splits(hidden, shared_inter, nt)
+def _grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
+           splits: tuple[int, int, int]) -> tuple[int, int]:
+    nt, (ks1, ks1s, ks2s) = _nt(tokens), splits
     n_slots, rows = min(experts, tokens * top_k), _rows_per_cta()
     groups = -(-tokens // (8 * nt))  # the shared expert's column groups (a CTA each)
     fc1 = n_slots * 2 * inter // rows * ks1 + 2 * shared_inter // rows * ks1s * groups
@@ -271,10 +275,32 @@ def decode_grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
     return fc1, fc2
 
 
+def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
+                shared_inter: int) -> tuple[int, int, int]:
+    """(FC1 routed, FC1 shared, FC2 shared) K splits :func:`moe_decode_mma` uses for T tokens and this layout:
+    :func:`_splits`', except that with :data:`BALANCE_SHARED` an FC1 grid of one wave takes the shared expert in 3x
+    the routed splits (3 or 6) instead of 2x where that still fits the wave and fills it more."""
+    ks1, ks1s, ks2s = _splits(hidden, shared_inter, _nt(tokens))
+    wider = 3 * ks1
+    if BALANCE_SHARED and shared_inter and wider in (3, 6) and hidden % (128 * wider) == 0:
+        grid = _grids(tokens, hidden, inter, experts, top_k, shared_inter, (ks1, wider, ks2s))[0]
+        if grid <= ONE_WAVE_CTAS * 4 // WARPS:
+            ks1s = wider
+    return ks1, ks1s, ks2s
+
+
+def decode_grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
+                 shared_inter: int) -> tuple[int, int]:
+    """(FC1, FC2) grid sizes :func:`moe_decode_mma` launches for T tokens and this layout (shared_inter 0: no shared
+    expert)."""
+    splits = call_splits(tokens, hidden, inter, experts, top_k, shared_inter)
+    return _grids(tokens, hidden, inter, experts, top_k, shared_inter, splits)
+
+
 def decode_folds(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> bool:
     """Whether :func:`moe_decode_mma` folds the act / combine launches for T tokens and this layout: FC1's and FC2's
-    grids within :data:`FOLD_MAX_CTAS` (and :data:`FOLD_ACT` or :data:`FOLD_COMBINE` on)."""
-    most = FOLD_MAX_CTAS * 4 // WARPS
+    grids within :data:`ONE_WAVE_CTAS` (and :data:`FOLD_ACT` or :data:`FOLD_COMBINE` on)."""
+    most = ONE_WAVE_CTAS * 4 // WARPS
     return (FOLD_ACT or FOLD_COMBINE) and max(decode_grids(tokens, hidden, inter, experts, top_k, shared_inter)) <= most
 
 
@@ -530,7 +556,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     s = shared_w13.data.shape[0] // 2 if shared else 0
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
     nt, wide, folds = call_build(t, hidden, inter, e, top_k, s)
-    ks1, ks1s, ks2s = _splits(hidden, s, nt)
+    ks1, ks1s, ks2s = call_splits(t, hidden, inter, e, top_k, s)
     if not {ks1, ks1s} <= {1, 2, 3, 4, 6, 8}:  # act sums FC1's splits by templates for these counts only
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: act takes 1, 2, 3, 4, 6 or 8")
     if ks1s < ks1:  # FC1's shared memory holds the routed split's K range (_fc1_smem)

@@ -360,8 +360,10 @@ FOLDS = [("FOLD_ACT",), ("FOLD_COMBINE",), ("FOLD_ACT", "FOLD_COMBINE")]
 
 
 def _fold(monkeypatch: pytest.MonkeyPatch, knobs: tuple[str, ...], on: bool) -> None:
-    """The folds named in `knobs` on at every T (not only where the grids fit one wave), or no fold at all."""
-    monkeypatch.setattr(moe_cuda, "FOLD_MAX_CTAS", 1 << 30)
+    """The folds named in `knobs` on at every T (not only where the grids fit one wave), or no fold at all (the K
+    splits the default's at every T)."""
+    monkeypatch.setattr(moe_cuda, "ONE_WAVE_CTAS", 1 << 30)
+    monkeypatch.setattr(moe_cuda, "BALANCE_SHARED", False)
     for knob in ("FOLD_ACT", "FOLD_COMBINE"):
         monkeypatch.setattr(moe_cuda, knob, on and knob in knobs)
 
@@ -636,7 +638,9 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
         fc1_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc1")
         fc2_grid = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_fc2")
         ks1, groups = 2 * nt, -(-t // (8 * nt))  # the shared expert: a CTA per column group of 8 NT
-        assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * 2 * ks1 * groups
+        wider = 3 if t == 1 else 2  # one token: the shared rows split 3x the routed ones, FC1 one full wave (528)
+        assert moe_cuda.call_splits(t, h, inter, e, k, s) == (ks1, wider * ks1, 2), t
+        assert fc1_grid[0] == min(e, t * k) * (2 * inter // 128) * ks1 + (2 * s // 128) * wider * ks1 * groups
         assert fc2_grid[0] == min(e, t * k) * (h // 128) + (h // 128) * 2 * groups
         if routed_here:
             grid0 = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_route_stage")
