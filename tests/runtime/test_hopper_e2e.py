@@ -86,7 +86,8 @@ def test_hopper_lowering_compiles_the_cuda_moe_kernels_offline() -> None:
     moe = [e for e in program.launch_plan if e.get("op") == "megamoe"]
     assert moe
     cuda = [k for k in moe[0]["specs"] if k.startswith("megamoe_mma")]
-    assert len(cuda) == 15  # the decode builds for 1..8, 9..32 and 33..64 tokens (5 kernels each)
+    assert len(cuda) == 9  # the decode builds for 1..8, 9..32 and 33..64 tokens, every one folded: this MoE's grids
+    # fit one wave, so each is stage_x, FC1 (SiLU·mul folded in) and FC2 (the combine folded in)
     assert all("launch_args" not in e for e in moe)  # the default prefill precision: nothing passed on
     msa = [e for e in program.launch_plan if e.get("op") == "msa_attention"]
     assert msa and any(k.startswith("msa_indexer_mma") for k in msa[0]["specs"])
@@ -96,6 +97,8 @@ def test_hopper_lowering_compiles_the_cuda_moe_kernels_offline() -> None:
         assert program.kernels[f"{key}.cubin"][:4] == b"\x7fELF"
         assert b".target sm_90a" in program.kernels[f"{key}.ptx"]
         assert kernels[key].name.startswith(("moe_", "msa_index")) and kernels[key].arg_types[-1] in ("*u8", "i32")
+    names = sorted(kernels[key].name for key in cuda if key.startswith("megamoe_mma"))
+    assert names == ["moe_fc1"] * 3 + ["moe_fc2"] * 3 + ["moe_stage_x"] * 3
 
 
 def test_moe_prefill_precision_option_reaches_the_artifact_and_the_launcher(tmp_path,
