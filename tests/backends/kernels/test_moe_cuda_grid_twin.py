@@ -102,6 +102,23 @@ def _expected(ids: np.ndarray, t: int, top_k: int, e: int, ks_routed: int, ks_sh
     return want
 
 
+FOLD_LAYOUT = (1024, 256, 16, 4)  # hidden, inter, experts, top_k of the fold tests
+
+
+def _folded(monkeypatch: pytest.MonkeyPatch, knob: str, warps: int, t: int, hot: int,
+            shared: int) -> tuple[np.ndarray, dict]:
+    """Fresh routing (``hot`` tokens on one expert; above 3 tokens one id out of range) and the launches of
+    :data:`FOLD_LAYOUT` with ``knob`` on and ``warps`` warps a CTA."""
+    monkeypatch.setattr(moe_cuda, "WARPS", warps)
+    monkeypatch.setattr(moe_cuda, knob, True)
+    hidden, inter, e, top_k = FOLD_LAYOUT
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    ids = hot_routing(t, e, top_k, hot, gen)[0].numpy()
+    if t > 3:
+        ids[2, 1] = e
+    return ids, _launches(t, hidden, inter, e, top_k, shared)
+
+
 @pytest.mark.parametrize("t,hot,warps", [(1, 0, 4), (5, 5, 4), (8, 8, 4), (9, 0, 4), (16, 16, 4), (17, 0, 4),
                                          (24, 17, 4), (32, 9, 4), (33, 0, 4), (40, 33, 4), (64, 64, 4), (64, 0, 4),
                                          (1, 0, 1), (6, 6, 1), (16, 9, 1), (32, 17, 1), (4, 0, 2), (40, 33, 2)])
@@ -158,14 +175,8 @@ def test_folded_act_counters_see_every_partial_and_act_is_written_once(t: int, h
     the 2 x K-split arrivals it expects (so the last one computes the chunk and the counter is left at zero), every
     index lies inside the host's counter buffer, and the last arrivals write each routed pair's [0, I) and each shared
     token's [0, S) of act exactly once, nothing else."""
-    monkeypatch.setattr(moe_cuda, "WARPS", warps)
-    monkeypatch.setattr(moe_cuda, "FOLD_ACT", True)
-    hidden, inter, e, top_k = 1024, 256, 16, 4
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    ids = hot_routing(t, e, top_k, hot, gen)[0].numpy()
-    if t > 3:
-        ids[2, 1] = e  # an out-of-range id: its pair has no act
-    launches = _launches(t, hidden, inter, e, top_k, shared)
+    _, inter, e, top_k = FOLD_LAYOUT
+    ids, launches = _folded(monkeypatch, "FOLD_ACT", warps, t, hot, shared)  # (an out-of-range id: its pair has no act)
     assert "moe_act" not in launches
     spec, grid, a = launches["moe_fc1"]
     assert dict(spec.defines)["FOLD_ACT"] == 1 and dict(launches["moe_fc2"][0].defines)["FOLD_ACT"] == 1
@@ -220,14 +231,8 @@ def test_folded_combine_counters_expect_every_fc2_cta_and_out_is_written_once(
     """FOLD_COMBINE: every FC2 CTA (an unused routed slot's too) arrives at its row block's counter, which expects
     n_slots + the shared splits x column groups (combine_tail's count); each counter gets exactly that many, so the
     last one sums its block for every token (each output element once) and leaves the counter at zero."""
-    monkeypatch.setattr(moe_cuda, "WARPS", warps)
-    monkeypatch.setattr(moe_cuda, "FOLD_COMBINE", True)
-    hidden, inter, e, top_k = 1024, 256, 16, 4
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    ids = hot_routing(t, e, top_k, hot, gen)[0].numpy()
-    if t > 3:
-        ids[2, 1] = e  # an out-of-range id (its token's output: NaN, written all the same)
-    launches = _launches(t, hidden, inter, e, top_k, shared)
+    hidden, _, e, _ = FOLD_LAYOUT
+    ids, launches = _folded(monkeypatch, "FOLD_COMBINE", warps, t, hot, shared)  # (the out-of-range id's token: NaN)
     assert "moe_combine" not in launches
     spec, grid, a = launches["moe_fc2"]
     d = dict(spec.defines)
