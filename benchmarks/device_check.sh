@@ -8,6 +8,7 @@
 #   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with Triton
 #   bash benchmarks/device_check.sh decode       # MegaMoE's decode GPU tests, then issue 6's decode table (~250 s)
 #   bash benchmarks/device_check.sh folds        # the act / combine folds: a same-run A/B, then the decode's GPU tests
+#   bash benchmarks/device_check.sh prefetch     # PREFETCH_FC2 0 / 1 / 2 / 3: a same-run A/B at T = 1, 2, its GPU tests
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -90,6 +91,21 @@ folds() {  # the act / combine folds: a same-run A/B (none vs the default choice
   tail -3 "$OUT/t_folds.log"
 }
 
+prefetch() {  # PREFETCH_FC2 (FC1 asks L2 for FC2's first super-chunks where the call folds): a same-run A/B of
+  # n = 0 (off), 1, 2, 3 at T = 1 (folded) and 2 (not folded: the same build, a control), then its GPU tests
+  local rep n
+  for rep in $(seq "${PF_REPS:-3}"); do
+    for n in 0 1 2 3; do
+      timeout 60 python benchmarks/bench_moe_ab.py --tag "pf$n" --tokens "${PF_TOKENS:-1,2}" --knob "PREFETCH_FC2=$n" \
+        >> "$OUT/prefetch_ab.jsonl" 2>> "$OUT/prefetch_ab.err"
+    done
+  done; mark prefetch_ab
+  python benchmarks/bench_moe_ab.py --summarize "$OUT/prefetch_ab.jsonl"
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda_prefetch.py \
+    > "$OUT/t_prefetch.log" 2>&1; mark prefetch_tests
+  tail -3 "$OUT/t_prefetch.log"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -102,7 +118,7 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode or folds" >&2; exit 2 ;;
+    tests|bench|sweep|attn|decode|folds|prefetch) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds or prefetch" >&2; exit 2 ;;
   esac
 done

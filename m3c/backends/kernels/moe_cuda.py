@@ -140,6 +140,16 @@ ones instead of 2x if the grid still fits (:func:`call_splits`): at T = 1 (8 exp
 CUDA graphs, same runs, benchmarks/RESULTS.md session 31): T = 1 56.9 / 56.6 / 56.7 / 56.7 -> 55.1 / 55.2 / 55.1 /
 55.3 us; at T = 2, 4 and 24 (grids of several waves) the same split was 0.3-3 us slower, so it stays one-wave only.
 Splitting FC2's shared rows 3x too (528 FC2 CTAs) was slower at T = 1 (+1 to +2.6 us)."""
+
+PREFETCH_FC2 = 0
+"""n > 0: where the call folds (FC1's and FC2's grids one wave each: :func:`decode_folds`; one column group), each
+FC1 CTA asks L2 (``prefetch.global.L2``) for the first n super-chunks (codes and scales of each warp's tiles) of
+the FC2 items it stands for (define ``PREFETCH_FC2``), once its GEMV is done. HBM then reads them while FC1's last
+CTAs finish, FC2 launches and stages, when it would idle, and FC2's first loads hit L2; the output is bitwise the
+same. At T = 1 of m3.1-small an FC2 item reads 6 super-chunks; n = 2 asks for ~17 of FC2's 52 MB (~4 µs of HBM).
+Written without a GPU (session 32): off until timed. Prediction at T = 1: -1.5 to -3 µs of the whole op's ~59
+(FC2's ~4 µs of fixed cost, session 26, less its launch, which no prefetch hides)."""
+
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
 """Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
@@ -326,24 +336,27 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
         raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
-                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE)
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
+                      PREFETCH_FC2 if fold and not wide else 0)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
-               early: bool = False, fold_act: bool = False,
-               fold_combine: bool = False) -> tuple[CudaKernelSpec, ...]:
+               early: bool = False, fold_act: bool = False, fold_combine: bool = False,
+               prefetch: int = 0) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
-         *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()))
+         *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
+         *((("PREFETCH_FC2", prefetch),) if prefetch else ()))
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)
 
     fc1 = spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "
-               "KSr KSs *h P ROWS" + (" *act *counters" if fold_act else ""), warps,
+               "KSr KSs *h P ROWS" + (" *act *counters" if fold_act else "")
+               + (" *rcode2 *rscale2 *scode2 *sscale2 KS2s" if prefetch else ""), warps,
                _fc1_smem(hidden, shared_inter, nt))
     fc2 = spec("moe_fc2", ("*act" if fold_act else "*act16 *amult") + " T *ids *wts topk E n_slots *rcode *rscale *rrow "
                "*scode *sscale I S H KSs P ROWS *y" + (" *out *done" if fold_combine else ""), warps,
@@ -616,7 +629,9 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     rows = _rows_per_cta()
     runner(specs["moe_fc1"], (grid1,), [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i,
                                         sc13, ss13, 2 * s, hidden, ks1, ks1s, h, pairs, rows_ws,
-                                        *((act_v, counters) if fold else ())])
+                                        *((act_v, counters) if fold else ()),
+                                        *((c2[0], c2[1], sc2, ss2, ks2s) if "PREFETCH_FC2" in dict(specs["moe_fc1"].defines)
+                                          else ())])
     if not fold:
         runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     done = persistent(done_key, lambda: torch.zeros(hidden // rows, dtype=torch.int32, device=dev)) \

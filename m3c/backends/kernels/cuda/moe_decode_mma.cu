@@ -10,7 +10,8 @@
 // [E, rows, K / 16] layout, decoded by ptx_common's decode8; the shared MXFP8 expert stays prepacked), EARLY (1: each
 // warp issues its first super-chunk's weight loads before its CTA stages the tokens: staged()), FOLD_ACT (1: no
 // moe_act launch: FC1's CTAs that finish an act chunk's last partial compute it, FC2 stages from it: act_tail(),
-// stage_act()), FOLD_COMBINE (1: no moe_combine launch: FC2's last CTA of each row block sums it: combine_tail()).
+// stage_act()), FOLD_COMBINE (1: no moe_combine launch: FC2's last CTA of each row block sums it: combine_tail()),
+// PREFETCH_FC2 (n > 0: FC1's CTAs ask L2 for FC2's first n super-chunks once their GEMV is done: prefetch_fc2()).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine (FOLD_ACT / FOLD_COMBINE: without
 // moe_act / moe_combine), each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
@@ -44,6 +45,9 @@
 #ifndef FOLD_COMBINE
 #define FOLD_COMBINE 0  // 1: the combine done by FC2's last CTA of each row block (combine_tail): no moe_combine launch
 #endif
+#ifndef PREFETCH_FC2
+#define PREFETCH_FC2 0  // n > 0: each FC1 CTA asks L2 for the first n super-chunks of the FC2 items it stands for
+#endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 // FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
 // ptxas gives FC2 129 and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31
@@ -65,6 +69,7 @@
 #define GROUPS ((TMAX + MAXT - 1) / MAXT)  // column groups a CTA may run (1: the loop over them is straight code)
 static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
 static_assert(16 % WARPS == 0 && WARPS <= 4, "the launch bounds count 16 warps an SM");
+static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one column group only");
 // The shared expert's column groups for T tokens (a CTA each; moe_cuda's grids count them the same way).
 #define SHARED_GROUPS(T) (GROUPS == 1 ? 1 : ((T) + MAXT - 1) / MAXT)
 
@@ -601,6 +606,22 @@ __device__ void act_tail(const ActTail* at, const int* pair, const int* tok, con
 }
 #endif
 
+#if PREFETCH_FC2
+// FC2's weights for the FC2 items this FC1 CTA stands for, asked of L2 once its GEMV is done (PREFETCH_FC2
+// super-chunks of each warp's tiles, codes and scales), so FC2's first loads hit L2: HBM reads them while FC1's last
+// CTAs finish and FC2 launches, when it would idle. FC1 item j1 of its expert's n1 (the shared expert: of a column
+// group's) stands for FC2 items [j1 n2 / n1, (j1 + 1) n2 / n1) of the same expert's n2, so each FC2 item is asked
+// for once (the shared expert's once a column group). `pb`: the CTA's block, kept in shared memory across the GEMV.
+__device__ void prefetch_fc2(const Block* pb, int I, int S, int H, int KS2s, const u8* rcode2, const u8* rscale2,
+                             const u8* scode2, const u8* sscale2) {
+  const volatile Block* v = pb;
+  const int expert = v->expert, cta = 32 * WARPS, KS2 = expert >= 0 ? 1 : KS2s, K = expert >= 0 ? I : S;
+  const int n1 = 2 * K / cta * v->KS, j1 = v->row0 / cta * v->KS + v->ks, n2 = H / cta * KS2;
+  for (int j2 = j1 * n2 / n1; j2 < (j1 + 1) * n2 / n1; ++j2)
+    prefetch_block(expert, j2 / KS2 * cta, j2 % KS2, KS2, H, K, PREFETCH_FC2, rcode2, rscale2, scode2, sscale2);
+}
+#endif
+
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
 // expert's items come first in the grid and run their GEMV before grid_wait() (during the routing launch), staging
 // the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens) and stage
@@ -613,12 +634,18 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
 #if FOLD_ACT
         void* act, int* counters,
 #endif
+#if PREFETCH_FC2
+        const u8* rcode2, const u8* rscale2, const u8* scode2, const u8* sscale2, int KS2s,  // FC2's weights, split
+#endif
         void* scratch0, void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT], down[MAXT];
   __shared__ int pair[TMAX], tok[TMAX], cnt;
   __shared__ Groups gs;
+#if PREFETCH_FC2
+  __shared__ Block pfb;
+#endif
 #if FOLD_ACT
   __shared__ ActTail tail;
   __shared__ int is_last;
@@ -649,6 +676,9 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
 #if FOLD_ACT
   put_tail(&tail, b, (b.expert >= 0 ? rows : srows) / 2, E, chm, counters, 0, cnt);
 #endif
+#if PREFETCH_FC2
+  if (threadIdx.x == 0) pfb = b;  // (the staging's barrier publishes it)
+#endif
   staged(
       [&] {
         if (shared) {
@@ -661,6 +691,9 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
         run_cols(b, b.expert >= 0 ? rows : srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode,
                  sscale, nullptr, h + (long)b.ks * P * ROWS, ROWS, stage);
       });
+#if PREFETCH_FC2
+  prefetch_fc2(&pfb, rows / 2, srows / 2, H, KS2s, rcode2, rscale2, scode2, sscale2);
+#endif
 #if FOLD_ACT
   act_tail(&tail, pair, tok, h, (long)P * ROWS, ROWS, act, &is_last);
 #endif

@@ -283,3 +283,37 @@ __device__ __forceinline__ void staged(const Stage& stage, const Run& run) {
   run(NoStage{});
 #endif
 }
+
+__device__ __forceinline__ void prefetch_l2(const u8* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Ask L2 for the first `nsc` super-chunks (codes and scales) of each warp's two tiles of one 32 WARPS-row block: rows
+// row0 .. of expert `expert` (-1: the shared MXFP8 expert) of a weight with rows_total rows and K columns, K split
+// ks of KS. The addresses are the streams' above (Nvfp4Stream / Nvfp4NaturalStream with NATURAL / Mxfp8Stream):
+// 128-byte lines, at most one a lane a super-chunk.
+__device__ void prefetch_block(int expert, int row0, int ks, int KS, int rows_total, int K, int nsc, const u8* rcode,
+                               const u8* rscale, const u8* scode, const u8* sscale) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, Kc = K / KS;
+  const int row = row0 + warp * 32;  // the warp's first row
+  if (expert >= 0) {
+    nsc = min(nsc, Kc / 256);
+#if NATURAL  // a row a lane: 128 code bytes and 16 scale bytes a super-chunk
+    const long r = (long)expert * rows_total + row + lane;
+    for (int sc = 0; sc < nsc; ++sc) {
+      prefetch_l2(rcode + r * (K / 2) + (long)ks * Kc / 2 + sc * 128);
+      prefetch_l2(rscale + r * (K / 16) + (long)ks * Kc / 16 + sc * 16);
+    }
+#else  // prepacked: 2 KB of codes and 256 scale bytes a tile a super-chunk
+    const long tile = (long)expert * (rows_total / 16) + row / 16;
+    for (int sc = 0; sc < nsc; ++sc) {
+      prefetch_l2(rcode + (tile + (lane >> 4)) * K * 8 + (long)ks * Kc * 8 + sc * 2048 + (lane & 15) * 128);
+      if (lane < 4) prefetch_l2(rscale + (tile + (lane >> 1)) * K + (long)ks * Kc + sc * 256 + (lane & 1) * 128);
+    }
+#endif
+  } else {  // prepacked MXFP8 codes (2 KB a tile a 128-K super-chunk); natural scales, K / 32 bytes a row
+    nsc = min(nsc, Kc / 128);
+    const long tile = row / 16;
+    for (int sc = 0; sc < nsc; ++sc)
+      prefetch_l2(scode + (tile + (lane >> 4)) * K * 16 + (long)ks * Kc * 16 + sc * 2048 + (lane & 15) * 128);
+    if (nsc > 0) prefetch_l2(sscale + (long)(row + lane) * (K / 32) + (long)ks * Kc / 32);
+  }
+}
