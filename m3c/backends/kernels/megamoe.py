@@ -105,9 +105,10 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
                   prefill_precision: str | None = None) -> list[KernelSpec | CudaKernelSpec]:
     """Every kernel spec :func:`megamoe` launches for this layout by default (GPU settings): the routing
     (3 token buckets × norm_topk_prob), the CUDA C++ decode kernels for T <= 64 where the layout allows them (their
-    builds for 1..8, 9..NT1_MAX_TOKENS and more tokens, then the one-launch routing + staging kernel's for 8, 16
-    and 64 where that takes the router, the router weight in float32) and the grouped-GEMM kernels, the wgmma ones
-    in ``prefill_precision`` (as :func:`megamoe` takes it; ``decode_kernel=True`` launches
+    builds for 1..8, 9..NT1_MAX_TOKENS and more tokens, each folded or not as
+    :func:`~m3c.backends.kernels.moe_cuda.call_build` says for the token counts it runs, then the one-launch routing +
+    staging kernel's for 8, 16 and 64 where that takes the router, the router weight in float32) and the
+    grouped-GEMM kernels, the wgmma ones in ``prefill_precision`` (as :func:`megamoe` takes it; ``decode_kernel=True`` launches
     :func:`m3c.backends.kernels.moe_decode.decode_specs` too; they are not listed here)."""
     shared_fmt = shared_fmt or "none"
     why = megamoe_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt)
@@ -119,7 +120,7 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
         call_build(t, hidden, inter, experts, top_k, s_decode) for t in range(1, MMA_MAX_TOKENS + 1)
         if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, t) is None)
     for build in builds:
-        mma += mma_specs(hidden, inter, shared_inter, act_dtype, *build)
+        mma += mma_specs(hidden, inter, s_decode, act_dtype, *build)  # (no shared weights: launched with S = 0)
     for tokens in ROUTE_BUILD_TOKENS:  # the routing launch's builds: 8, 16 and 64 tokens
         if route_supported(hidden, experts, top_k, act_dtype, tokens) is None and mma_supported(
                 hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:

@@ -35,7 +35,7 @@ Launches (one stream, no host sync, CUDA-graph safe for a fixed T):
 4. ``moe_fc2``: act times W2 (routed NVFP4 or the MXFP8 shared expert, 2 K splits), times the routing weight:
    y[ks, pair, :]; its columns compacted as FC1's.
 5. ``moe_combine``: out[n] = sum_k y[n * topk + k] (+ the shared rows), in a fixed order (deterministic).
-Where FC1's and FC2's grids fit one wave (:data:`ONE_WAVE_CTAS`; one token at m3.1-small's width) steps 3 and 5 are
+Where FC1's and FC2's grids fit one wave (:func:`one_wave`; one token at m3.1-small's width) steps 3 and 5 are
 folded into 2 and 4 (:data:`FOLD_ACT`, :data:`FOLD_COMBINE`): the last CTA to finish an act chunk computes it, FC2
 stages act with each row's scale itself, and the last FC2 CTA of a row block sums that block of the output; bitwise
 the launches' output.
@@ -124,17 +124,19 @@ FOLD_COMBINE = True
 a row block (each routed slot's, used or not, and each shared split's and column group's) arrives at the block's
 counter, which the kernel leaves at zero; the last to arrive sums the block's columns of the output for every token
 as the launch does (same order: bitwise its output)."""
-ONE_WAVE_CTAS = 132 * 4
-"""CTAs of 4 warps (scaled by 4 / WARPS) in one wave of an H200 (132 SMs, 4 resident CTAs each). A call folds
-(:data:`FOLD_ACT`, :data:`FOLD_COMBINE`) when FC1's and FC2's grids each have at most this many. Each folded CTA ends in a
-barrier and a release atomic, which waits for its stores to reach L2; in one wave nothing waits for its slot, but
-where CTAs queue for slots every wave pays it. Measured on the H200 with the folds forced at every T (same run, two
-alternations, whole op from CUDA graphs, benchmarks/RESULTS.md session 31): T = 1 (480 CTAs each) 61.5 / 61.4 ->
-60.1 / 60.2 us (act alone -0.6, combine alone -0.8), T = 4 112.1 -> 125.8 (both) / 117.8 (act) / 118.3 (combine),
-T = 16 255.6 -> 310.1, T = 64 507.4 -> 734.6. As chosen (folded at T = 1 only): T = 1 61.6 / 61.6 -> 60.5 / 60.4 us,
-T = 4 unchanged (112.9-113.1)."""
+SMS = 132
+"""SMs a wave is counted over (an H200's, or an H100 SXM's; :func:`one_wave`). A call folds (:data:`FOLD_ACT`,
+:data:`FOLD_COMBINE`) when FC1's and FC2's grids each fit one wave. Each folded CTA ends in a barrier and a release
+atomic, which waits for its stores to reach L2; in one wave nothing waits for its slot, but where CTAs queue for
+slots every wave pays it. Measured on the H200 with the folds forced at every T (same run, two alternations, whole
+op from CUDA graphs, benchmarks/RESULTS.md session 31): T = 1 (480 CTAs each) 61.5 / 61.4 -> 60.1 / 60.2 us (act
+alone -0.6, combine alone -0.8), T = 4 112.1 -> 125.8 (both) / 117.8 (act) / 118.3 (combine), T = 16 255.6 -> 310.1,
+T = 64 507.4 -> 734.6. As chosen (folded at T = 1 only): T = 1 61.6 / 61.6 -> 60.5 / 60.4 us, T = 4 unchanged
+(112.9-113.1)."""
+SM_SHARED_BYTES = 233_472  # shared memory an SM of sm_90 holds (228 KB), of which each resident CTA takes 1 KB
+_STATIC_SMEM = 2048  # FC1's / FC2's static shared memory, rounded up (offline sm_90a: 1.3-1.4 KB)
 BALANCE_SHARED = True
-"""Where FC1's grid is one wave (:data:`ONE_WAVE_CTAS`), split the shared expert's FC1 rows 3x as often as the routed
+"""Where FC1's grid is one wave (:func:`one_wave`), split the shared expert's FC1 rows 3x as often as the routed
 ones instead of 2x if the grid still fits (:func:`call_splits`): at T = 1 (8 experts, m3.1-small) 480 CTAs become
 528, one per slot of an H200, where 480 left 84 SMs with four long CTAs and 48 with three. Measured (experts alone,
 CUDA graphs, same runs, benchmarks/RESULTS.md session 31): T = 1 56.9 / 56.6 / 56.7 / 56.7 -> 55.1 / 55.2 / 55.1 /
@@ -285,6 +287,18 @@ def _grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int, share
     return fc1, fc2
 
 
+def one_wave(tokens: int, hidden: int, inter: int, shared_inter: int) -> tuple[int, int]:
+    """(FC1, FC2) CTAs resident at once on :data:`SMS` SMs for T tokens' build: registers (NT = 1: the launch
+    bounds' 16 warps an SM; NT = 2: FC2's 168 registers and the looping FC1's own choice, 3 CTAs of 4 warps) and
+    shared memory (each kernel's dynamic bytes + static + the 1 KB an SM keeps a CTA), the fewer of the two."""
+    nt = _nt(tokens)
+    by_regs = (16 if nt == 1 else 12) // WARPS
+
+    def fits(dynamic: int) -> int:
+        return SMS * min(by_regs, SM_SHARED_BYTES // (dynamic + _STATIC_SMEM + 1024))
+    return fits(_fc1_smem(hidden, shared_inter, nt)), fits(_fc2_smem(inter, shared_inter, nt))
+
+
 def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
                 shared_inter: int) -> tuple[int, int, int]:
     """(FC1 routed, FC1 shared, FC2 shared) K splits :func:`moe_decode_mma` uses for T tokens and this layout:
@@ -294,7 +308,7 @@ def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
     wider = 3 * ks1
     if BALANCE_SHARED and shared_inter and wider in (3, 6) and hidden % (128 * wider) == 0:
         grid = _grids(tokens, hidden, inter, experts, top_k, shared_inter, (ks1, wider, ks2s))[0]
-        if grid <= ONE_WAVE_CTAS * 4 // WARPS:
+        if grid <= one_wave(tokens, hidden, inter, shared_inter)[0]:
             ks1s = wider
     return ks1, ks1s, ks2s
 
@@ -309,9 +323,10 @@ def decode_grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
 
 def decode_folds(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> bool:
     """Whether :func:`moe_decode_mma` folds the act / combine launches for T tokens and this layout: FC1's and FC2's
-    grids within :data:`ONE_WAVE_CTAS` (and :data:`FOLD_ACT` or :data:`FOLD_COMBINE` on)."""
-    most = ONE_WAVE_CTAS * 4 // WARPS
-    return (FOLD_ACT or FOLD_COMBINE) and max(decode_grids(tokens, hidden, inter, experts, top_k, shared_inter)) <= most
+    grids each within one wave (:func:`one_wave`; and :data:`FOLD_ACT` or :data:`FOLD_COMBINE` on)."""
+    grids = decode_grids(tokens, hidden, inter, experts, top_k, shared_inter)
+    waves = one_wave(tokens, hidden, inter, shared_inter)
+    return (FOLD_ACT or FOLD_COMBINE) and grids[0] <= waves[0] and grids[1] <= waves[1]
 
 
 def call_build(tokens: int, hidden: int, inter: int, experts: int, top_k: int,

@@ -360,10 +360,10 @@ FOLDS = [("FOLD_ACT",), ("FOLD_COMBINE",), ("FOLD_ACT", "FOLD_COMBINE")]
 
 
 def _fold(monkeypatch: pytest.MonkeyPatch, knobs: tuple[str, ...], on: bool) -> None:
-    """The folds named in `knobs` on at every T (not only where the grids fit one wave), or no fold at all (the K
-    splits the default's at every T)."""
-    monkeypatch.setattr(moe_cuda, "ONE_WAVE_CTAS", 1 << 30)
-    monkeypatch.setattr(moe_cuda, "BALANCE_SHARED", False)
+    """The folds named in `knobs` on at every T (not only where the grids fit one wave), or no fold at all; the K
+    splits the same either way (every grid counts as one wave: BALANCE_SHARED's 6 shared FC1 splits wherever the
+    layout takes them, as the default at T = 1)."""
+    monkeypatch.setattr(moe_cuda, "SMS", 1 << 30)
     for knob in ("FOLD_ACT", "FOLD_COMBINE"):
         monkeypatch.setattr(moe_cuda, knob, on and knob in knobs)
 
@@ -380,12 +380,15 @@ def test_folded_builds_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> 
     specs = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide, fold=True)}
     plain = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)}
     assert list(specs) == ["moe_stage_x", "moe_fc1", "moe_fc2"]
-    for kernel in ("moe_fc1", "moe_fc2"):
-        words = [line.split("*/")[1].split() for line in kernel_sass(specs[kernel]).splitlines()
+    def opcodes(spec) -> list[str]:
+        words = [line.split("*/")[1].split() for line in kernel_sass(spec).splitlines()
                  if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
-        ops = [w[1] if w[0].startswith("@") else w[0] for w in words]  # (predicated too)
+        return [w[1] if w[0].startswith("@") else w[0] for w in words]  # (predicated too)
+
+    for kernel in ("moe_fc1", "moe_fc2"):
+        ops = opcodes(specs[kernel])
         assert any(op.startswith("ATOMG.E.ADD") for op in ops), kernel
-        spills = ops.count("STL") - kernel_sass(plain[kernel]).count("STL")
+        spills = sum(op.startswith("STL") for op in ops) - sum(op.startswith("STL") for op in opcodes(plain[kernel]))
         assert spills <= (4 if (kernel, nt, wide) == ("moe_fc1", 1, True) else 1), (kernel, spills)
         if kernel == "moe_fc1":
             assert ops.index("ACQBULK") < ops.index("PREEXIT")
@@ -645,6 +648,27 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
         if routed_here:
             grid0 = next(g for sp, g, _ in seen if getattr(sp, "kernel", "") == "moe_route_stage")
             assert grid0 == (t + (e // 8) * moe_cuda.route_split(h, e)[1],)
+
+
+def test_no_shared_expert_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model without a shared expert whose config still names a shared width (wider than the routed one): the
+    decode launches with S = 0, and the lowering lists those builds (their shared memory follows S), not the width's."""
+    from m3c.backends.kernels import megamoe as mm_mod
+    from m3c.backends.kernels import moe_routing
+    from m3c.backends.kernels.megamoe import megamoe, megamoe_specs
+
+    monkeypatch.setattr(moe_routing, "interpreting", lambda: False)
+    monkeypatch.setattr(mm_mod, "_mma_ok", lambda x, w13, sw13, top_k: x.shape[0] <= moe_cuda.MAX_TOKENS)
+    h, inter, e, k = 6144, 1536, 64, 8
+    listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, 2 * inter, "bf16", "nvfp4", "none")}
+    w13, w2 = nvfp4(e, 2 * inter, h), nvfp4(e, h, inter)
+    for t in (1, 8, 16, 40):
+        seen: list = []
+        x = torch.empty(t, h, dtype=torch.bfloat16, device="meta")
+        megamoe(x, torch.empty(e, h, device="meta"), torch.empty(e, device="meta"), w13, w2, None, None, top_k=k,
+                routed_scaling_factor=2.5, norm_topk_prob=True, runner=lambda sp, grid, args, seen=seen: seen.append(sp))
+        fc = [sp for sp in seen if getattr(sp, "kernel", "") in ("moe_fc1", "moe_fc2")]
+        assert len(fc) == 2 and all(sp.key() in listed for sp in seen), t
 
 
 @pytest.mark.gpu

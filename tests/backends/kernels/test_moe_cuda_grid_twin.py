@@ -102,16 +102,16 @@ def _expected(ids: np.ndarray, t: int, top_k: int, e: int, ks_routed: int, ks_sh
     return want
 
 
-FOLD_LAYOUT = (1024, 256, 16, 4)  # hidden, inter, experts, top_k of the fold tests
+FOLD_LAYOUT = (256, 16, 4)  # inter, experts, top_k of the fold tests (hidden 1536: BALANCE_SHARED's 3 or 6 splits)
 
 
-def _folded(monkeypatch: pytest.MonkeyPatch, knob: str, warps: int, t: int, hot: int,
-            shared: int) -> tuple[np.ndarray, dict]:
+def _folded(monkeypatch: pytest.MonkeyPatch, knob: str, warps: int, t: int, hot: int, shared: int,
+            hidden: int) -> tuple[np.ndarray, dict]:
     """Fresh routing (``hot`` tokens on one expert; above 3 tokens one id out of range) and the launches of
-    :data:`FOLD_LAYOUT` with ``knob`` on and ``warps`` warps a CTA."""
+    :data:`FOLD_LAYOUT` at this width with ``knob`` on and ``warps`` warps a CTA."""
     monkeypatch.setattr(moe_cuda, "WARPS", warps)
     monkeypatch.setattr(moe_cuda, knob, True)
-    hidden, inter, e, top_k = FOLD_LAYOUT
+    inter, e, top_k = FOLD_LAYOUT
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     ids = hot_routing(t, e, top_k, hot, gen)[0].numpy()
     if t > 3:
@@ -169,14 +169,16 @@ def test_a_cta_size_the_kernels_cannot_run_is_refused(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("t,hot,warps", [(1, 0, 4), (5, 5, 4), (9, 0, 4), (16, 16, 4), (33, 0, 4), (40, 33, 4),
                                          (64, 64, 4), (6, 6, 1), (32, 17, 1), (40, 33, 2)])
 @pytest.mark.parametrize("shared", [256, 0])
+@pytest.mark.parametrize("hidden", [1024, 1536])
 def test_folded_act_counters_see_every_partial_and_act_is_written_once(t: int, hot: int, warps: int, shared: int,
+                                                                       hidden: int,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """FOLD_ACT: every FC1 CTA arrives at its act chunk's counter (put_tail's index); each counter used gets exactly
     the 2 x K-split arrivals it expects (so the last one computes the chunk and the counter is left at zero), every
     index lies inside the host's counter buffer, and the last arrivals write each routed pair's [0, I) and each shared
     token's [0, S) of act exactly once, nothing else."""
-    _, inter, e, top_k = FOLD_LAYOUT
-    ids, launches = _folded(monkeypatch, "FOLD_ACT", warps, t, hot, shared)  # (an out-of-range id: its pair has no act)
+    inter, e, top_k = FOLD_LAYOUT
+    ids, launches = _folded(monkeypatch, "FOLD_ACT", warps, t, hot, shared, hidden)  # (the bad id: no act)
     assert "moe_act" not in launches
     spec, grid, a = launches["moe_fc1"]
     assert dict(spec.defines)["FOLD_ACT"] == 1 and dict(launches["moe_fc2"][0].defines)["FOLD_ACT"] == 1
@@ -226,13 +228,14 @@ def test_folded_act_counters_see_every_partial_and_act_is_written_once(t: int, h
 @pytest.mark.parametrize("t,hot,warps", [(1, 0, 4), (5, 5, 4), (9, 0, 4), (16, 16, 4), (33, 0, 4), (40, 33, 4),
                                          (64, 64, 4), (6, 6, 1), (32, 17, 1), (40, 33, 2)])
 @pytest.mark.parametrize("shared", [256, 0])
+@pytest.mark.parametrize("hidden", [1024, 1536])
 def test_folded_combine_counters_expect_every_fc2_cta_and_out_is_written_once(
-        t: int, hot: int, warps: int, shared: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        t: int, hot: int, warps: int, shared: int, hidden: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """FOLD_COMBINE: every FC2 CTA (an unused routed slot's too) arrives at its row block's counter, which expects
     n_slots + the shared splits x column groups (combine_tail's count); each counter gets exactly that many, so the
     last one sums its block for every token (each output element once) and leaves the counter at zero."""
-    hidden, _, e, _ = FOLD_LAYOUT
-    ids, launches = _folded(monkeypatch, "FOLD_COMBINE", warps, t, hot, shared)  # (the out-of-range id's token: NaN)
+    _, e, _ = FOLD_LAYOUT
+    ids, launches = _folded(monkeypatch, "FOLD_COMBINE", warps, t, hot, shared, hidden)  # (the bad id: NaN)
     assert "moe_combine" not in launches
     spec, grid, a = launches["moe_fc2"]
     d = dict(spec.defines)

@@ -179,7 +179,7 @@ def test_prefetch_is_bitwise_the_plain_fold_gpu(t: int, natural: bool, monkeypat
     from test_moe_cuda import _bitwise_the_default
 
     monkeypatch.setattr(moe_cuda, "NATURAL", natural)
-    monkeypatch.setattr(moe_cuda, "ONE_WAVE_CTAS", 1 << 30)
+    monkeypatch.setattr(moe_cuda, "SMS", 1 << 30)
 
     def knob(on: bool) -> None:
         monkeypatch.setattr(moe_cuda, "PREFETCH_FC2", 2 if on else 0)

@@ -17,10 +17,10 @@
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
 // shared-expert items: the whole GEMV from the raw tokens; FC2: finding its expert and tokens, prefetching its
 // weights, with EARLY also loading its first super-chunk, though ptxas keeps those loads before the wait only in the
-// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory and
-// nothing the previous two launches wrote is read: FC2 reads the routing there, and its predecessor (moe_act, or
-// FC1 with FOLD_ACT) releases FC2's launch only in CTAs past their own wait, when the routing launch has finished
-// (FOLD_ACT's FC1 once released it at its start: FC2's first CTAs read the previous call's routing at T = 1).
+// shared expert's path) overlaps the previous kernel. Before grid_wait() nothing is written to global memory, and
+// of what earlier launches wrote only the routing is read, by FC2: its predecessor (moe_act, or FC1 with FOLD_ACT)
+// releases FC2's launch only in CTAs past their own wait, when the routing launch has finished (FOLD_ACT's FC1 once
+// released it at its start: FC2's first CTAs read the previous call's routing at T = 1).
 #ifndef WARPS
 #define WARPS 4
 #endif
