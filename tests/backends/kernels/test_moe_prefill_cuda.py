@@ -337,12 +337,17 @@ def _inv448(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(live, torch.full_like(amax, 448.0) / torch.where(live, amax, 1.0), torch.zeros_like(amax))
 
 
-def _e4m3_weights(w: quant.NVFP4Tensor) -> torch.Tensor:
-    """The fp8 build's weights in float64: value x scale x 2^-wexp rounded to E4M3, x 2^wexp x the tensor scale."""
+def _e4m3_weights(w: quant.NVFP4Tensor, expert: int) -> torch.Tensor:
+    """One expert's weights as the fp8 build has them, in float64: value x scale x 2^-wexp (wexp: the whole
+    weight's) rounded to E4M3, x 2^wexp x the tensor scale. (An expert at a time: all 64 of m3.1-small's FC1 in
+    float64 are ~10 GB, too much beside the other GPU test processes.)"""
     e = pc.fp8_exponent(w)
-    qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(w.data, w.scale, None))
+    qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(w.data[expert], w.scale[expert], None))
     q8 = (qs * 2.0**-e).to(torch.float8_e4m3fn).double() * 2.0**e
-    return q8 * w.global_scale.double() if w.global_scale is not None else q8  # [E, N, 1] or a 0-d scale
+    gs = w.global_scale
+    if gs is None:
+        return q8
+    return q8 * (gs[expert] if gs.dim() else gs).double()  # [N, 1] of [E, N, 1], or a 0-d scale
 
 
 def _e4m3_rows(v: torch.Tensor) -> torch.Tensor:
@@ -388,14 +393,13 @@ def _fp8_model(x, ids, wts, w13, w2, sh13, sh2, shared_fc1: bool = False, shared
         else:
             shared = _bf16(sact @ quant.mxfp8_dequantize(sh2).double().t())
         return _fp8_model(x, ids, wts, w13, w2, None, None) + shared
-    W13, W2 = _e4m3_weights(w13), _e4m3_weights(w2)
     xq = _e4m3_rows(x.bfloat16())
-    inter = W2.shape[-1]
+    inter = w2.data.shape[-1] * 2
     down = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float64, device=x.device)
-    for e in range(W13.shape[0]):
+    for e in range(w13.data.shape[0]):
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        act = _swiglu_bf16(xq[tok] @ W13[e].t(), inter)
-        down[tok, slot] = _bf16((_e4m3_rows(act) @ W2[e].t()) * wts[tok, slot].double().unsqueeze(-1))
+        act = _swiglu_bf16(xq[tok] @ _e4m3_weights(w13, e).t(), inter)
+        down[tok, slot] = _bf16((_e4m3_rows(act) @ _e4m3_weights(w2, e).t()) * wts[tok, slot].double().unsqueeze(-1))
     routed = down.sum(dim=1)
     shared = _reference(x.double(), ids, torch.zeros_like(wts), w13, w2, sh13, sh2, "nvfp4", "mxfp8" if sh13 else None,
                         dtype=torch.float64) if sh13 is not None else 0.0

@@ -342,14 +342,14 @@ def _fc1_inputs(x: torch.Tensor, ids: torch.Tensor, w13: quant.NVFP4Tensor) -> t
 
 def _act_model(x: torch.Tensor, ids: torch.Tensor, order: torch.Tensor, w13: quant.NVFP4Tensor) -> torch.Tensor:
     """act of each sorted pair in float64, rounded as the kernel rounds (module docstring)."""
-    w, xq = _e4m3_weights(w13), _e4m3_rows(x.bfloat16())
-    k, inter = ids.shape[1], w.shape[1] // 2
+    xq = _e4m3_rows(x.bfloat16())
+    k, inter = ids.shape[1], w13.data.shape[1] // 2
     order = order.long()
     tok, ex = order // k, ids.reshape(-1)[order]
     out = torch.zeros(order.numel(), inter, dtype=torch.float64, device=x.device)
-    for i in range(w.shape[0]):
+    for i in range(w13.data.shape[0]):
         rows = (ex == i).nonzero(as_tuple=True)[0]
-        out[rows] = _swiglu_bf16(xq[tok[rows]] @ w[i].t(), inter)
+        out[rows] = _swiglu_bf16(xq[tok[rows]] @ _e4m3_weights(w13, i).t(), inter)
     return out
 
 
