@@ -70,6 +70,7 @@ import triton
 
 from m3c.backends.cuda_aot import CudaKernelSpec, arg_types
 from m3c.backends.kernels.host import derived, derived_ready, persistent, persistent_ready
+from m3c.backends.targets.hopper import HOPPER
 from m3c.backends.triton_aot import Runner, jit_run
 from m3c.errors import ConfigError, M3CError, ShapeError
 from m3c.model_defs.quant import MXFP8Tensor, NVFP4Tensor
@@ -124,8 +125,10 @@ FOLD_COMBINE = True
 a row block (each routed slot's, used or not, and each shared split's and column group's) arrives at the block's
 counter, which the kernel leaves at zero; the last to arrive sums the block's columns of the output for every token
 as the launch does (same order: bitwise its output)."""
-SMS = 132
-"""SMs a wave is counted over (an H200's, or an H100 SXM's; :func:`one_wave`). A call folds (:data:`FOLD_ACT`,
+SMS = HOPPER.compute_units
+"""SMs a wave is counted over (the hopper target's: an H200's or an H100 SXM's 132; :func:`one_wave`; the compile
+and the launch must agree on it, so it is the target's, not the device's: on a part with fewer SMs a folded call
+runs in more than one wave, correctly but slower). A call folds (:data:`FOLD_ACT`,
 :data:`FOLD_COMBINE`) when FC1's and FC2's grids each fit one wave. Each folded CTA ends in a barrier and a release
 atomic, which waits for its stores to reach L2; in one wave nothing waits for its slot, but where CTAs queue for
 slots every wave pays it. Measured on the H200 with the folds forced at every T (same run, two alternations, whole
@@ -133,7 +136,7 @@ op from CUDA graphs, benchmarks/RESULTS.md session 31): T = 1 (480 CTAs each) 61
 alone -0.6, combine alone -0.8), T = 4 112.1 -> 125.8 (both) / 117.8 (act) / 118.3 (combine), T = 16 255.6 -> 310.1,
 T = 64 507.4 -> 734.6. As chosen (folded at T = 1 only): T = 1 61.6 / 61.6 -> 60.5 / 60.4 us, T = 4 unchanged
 (112.9-113.1)."""
-SM_SHARED_BYTES = 233_472  # shared memory an SM of sm_90 holds (228 KB), of which each resident CTA takes 1 KB
+SM_SHARED_BYTES = HOPPER.smem_per_sm  # shared memory an SM holds (228 KB), of which each resident CTA takes 1 KB
 _STATIC_SMEM = 2048  # FC1's / FC2's static shared memory, rounded up (offline sm_90a: 1.3-1.4 KB)
 BALANCE_SHARED = True
 """Where FC1's grid is one wave (:func:`one_wave`), split the shared expert's FC1 rows 3x as often as the routed
