@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from _timing import bench_graph, record_point, write_results
 
-from m3c.backends.kernels.msa_indexer import _fma_load, pick_chunk_blocks
+from m3c.backends.kernels.msa_indexer import pick_chunk_blocks
+from m3c.backends.kernels.msa_indexer_kernels import _fma_load
 
 READ_BW = 4.28e12
 D, BS = 128, 128

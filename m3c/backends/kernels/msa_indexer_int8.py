@@ -1,7 +1,7 @@
 """The MSA indexer's "int8" decode path: NVFP4 index keys against an integer-split q by ``dp4a``.
 
-Used by ``msa_indexer._fma_loop`` (which owns the loop, the loads and the pooling) for tiles whose q is finite
-(``msa_indexer._fma_tile`` runs the float32 "fma" loop for the others: its IEEE products give the reference's
+Used by ``msa_indexer_kernels._fma_loop`` (which owns the loop, the loads and the pooling) for tiles whose q is finite
+(``msa_indexer_kernels._fma_tile`` runs the float32 "fma" loop for the others: its IEEE products give the reference's
 ±inf / NaN scores); this module holds what differs from the "fma" path:
 
 - **q** (per (row, head) pair, once): x = q · 2^S with max|x| in [32, 64) (S from max|q|'s exponent,

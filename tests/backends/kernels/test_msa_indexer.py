@@ -36,6 +36,14 @@ def _kernels():
     return msa_indexer
 
 
+def _device():
+    """The indexer's Triton device code (the PTX constants; the top-k kernel launched alone)."""
+    _kernels()  # the interpreter check
+    from m3c.backends.kernels import msa_indexer_kernels
+
+    return msa_indexer_kernels
+
+
 def _batch(lens: list[int], rows: list[int], bs: int, d: int, g: int, gen: torch.Generator, *, exact: bool,
            q_dtype: torch.dtype = torch.float32, spare_cols: int = 2, device: str = "cpu") -> dict:
     """A paged NVFP4 index-key cache (shuffled blocks, 0xFF poison outside the contexts) and decode rows."""
@@ -243,7 +251,7 @@ def test_fp8_nibble_shuffle_is_exact() -> None:
     for got, nib in ((lo, byte & 15), (hi, byte >> 4)):
         val = got.to(torch.uint8).view(torch.float8_e4m3fn).float()
         assert torch.equal(val, e2m1[nib] / 64)
-    asm = _kernels()._ASM_LO.value + _kernels()._ASM_HI.value
+    asm = _device()._ASM_LO.value + _device()._ASM_HI.value
     assert "0x1C1C1C1C" in asm and "0x80808080" in asm
 
 
@@ -259,8 +267,8 @@ def test_bf16_nibble_placement_is_exact() -> None:
     for bits, nib in ((lo, byte & 15), (hi, byte >> 4)):
         val = bits.to(torch.int16).view(torch.bfloat16).double() * two126
         assert torch.equal(val, e2m1[nib])
-    mi = _kernels()
-    assert "0x00070007; shl.b32 a, a, 6" in mi._ASM_BF16_LO.value and "0x00800080; shl.b32 b, b, 8" in mi._ASM_BF16_HI.value
+    dev = _device()
+    assert "0x00070007; shl.b32 a, a, 6" in dev._ASM_BF16_LO.value and "0x00800080; shl.b32 b, b, 8" in dev._ASM_BF16_HI.value
 
 
 def _run_ptx(asm: str, args: list[int]) -> int:
@@ -404,8 +412,8 @@ def _select(scores: torch.Tensor, positions: torch.Tensor, bs: int, top_k: int, 
     out = torch.full((t, g, top_k), -7, dtype=torch.int64)
     cand = torch.full((t * g * mi.TOPK_SLICES * ko,), 12345, dtype=torch.int64)  # poisoned
     cnt = torch.zeros(t * g, dtype=torch.int32)
-    mi.topk_blocks_kernel[(t * g, slices)](scores, positions, out, cand, cnt, mb, G=g, BS=bs, K=top_k, KO=ko, CH=ch,
-                                           CAUSAL=causal, NSMAX=mi.TOPK_SLICES, RANK_MERGE=rank_merge)
+    _device().topk_blocks_kernel[(t * g, slices)](scores, positions, out, cand, cnt, mb, G=g, BS=bs, K=top_k, KO=ko,
+                                                  CH=ch, CAUSAL=causal, NSMAX=mi.TOPK_SLICES, RANK_MERGE=rank_merge)
     assert not cnt.any()  # the counters are left at zero (CUDA-graph replays)
     return out
 
