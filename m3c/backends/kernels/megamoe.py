@@ -118,12 +118,12 @@ def megamoe_specs(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     s_decode = shared_inter if shared_fmt != "none" else 0
     builds = dict.fromkeys(  # the decode builds: 1..8, 9..NT1_MAX_TOKENS, above; folded where the grids fit one wave
         call_build(t, hidden, inter, experts, top_k, s_decode) for t in range(1, MMA_MAX_TOKENS + 1)
-        if mma_supported(hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, t) is None)
+        if mma_supported(hidden, inter, experts, top_k, s_decode, act_dtype, w13_fmt, shared_fmt, t) is None)
     for build in builds:
         mma += mma_specs(hidden, inter, s_decode, act_dtype, *build)  # (no shared weights: launched with S = 0)
     for tokens in ROUTE_BUILD_TOKENS:  # the routing launch's builds: 8, 16 and 64 tokens
         if route_supported(hidden, experts, top_k, act_dtype, tokens) is None and mma_supported(
-                hidden, inter, experts, top_k, shared_inter, act_dtype, w13_fmt, shared_fmt, tokens) is None:
+                hidden, inter, experts, top_k, s_decode, act_dtype, w13_fmt, shared_fmt, tokens) is None:
             mma.append(route_stage_spec(hidden, experts, act_dtype, route_nt(tokens)))
     if prefill_wgmma_unsupported(hidden, inter, shared_inter, act_dtype, w13_fmt, shared_fmt) is None:
         mma += moe_prefill_cuda.specs(prefill_precision)

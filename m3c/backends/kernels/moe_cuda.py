@@ -137,7 +137,7 @@ alone -0.6, combine alone -0.8), T = 4 112.1 -> 125.8 (both) / 117.8 (act) / 118
 T = 64 507.4 -> 734.6. As chosen (folded at T = 1 only): T = 1 61.6 / 61.6 -> 60.5 / 60.4 us, T = 4 unchanged
 (112.9-113.1)."""
 SM_SHARED_BYTES = HOPPER.smem_per_sm  # shared memory an SM holds (228 KB), of which each resident CTA takes 1 KB
-_STATIC_SMEM = 2048  # FC1's / FC2's static shared memory, rounded up (offline sm_90a: 1.3-1.4 KB)
+_STATIC_SMEM = 2560  # FC1's / FC2's static shared memory, rounded up (offline sm_90a: 1.3 KB at NT = 1, 2.1 at NT = 2)
 BALANCE_SHARED = True
 """Where FC1's grid is one wave (:func:`one_wave`), split the shared expert's FC1 rows 3x as often as the routed
 ones instead of 2x if the grid still fits (:func:`call_splits`): at T = 1 (8 experts, m3.1-small) 480 CTAs become
@@ -292,14 +292,15 @@ def _grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int, share
 
 def one_wave(tokens: int, hidden: int, inter: int, shared_inter: int) -> tuple[int, int]:
     """(FC1, FC2) CTAs resident at once on :data:`SMS` SMs for T tokens' build: registers (NT = 1: the launch
-    bounds' 16 warps an SM; NT = 2: FC2's 168 registers and the looping FC1's own choice, 3 CTAs of 4 warps) and
-    shared memory (each kernel's dynamic bytes + static + the 1 KB an SM keeps a CTA), the fewer of the two."""
+    bounds' 16 warps an SM; NT = 2 (the looping build): 168 registers, 12 warps, FC2 with :data:`NATURAL` 211, 8
+    warps; offline sm_90a) and shared memory (each kernel's dynamic bytes + static + the 1 KB an SM keeps a CTA),
+    the fewer of the two."""
     nt = _nt(tokens)
-    by_regs = (16 if nt == 1 else 12) // WARPS
 
-    def fits(dynamic: int) -> int:
-        return SMS * min(by_regs, SM_SHARED_BYTES // (dynamic + _STATIC_SMEM + 1024))
-    return fits(_fc1_smem(hidden, shared_inter, nt)), fits(_fc2_smem(inter, shared_inter, nt))
+    def fits(kernel: str, dynamic: int) -> int:
+        warps = 16 if nt == 1 else 8 if kernel == "moe_fc2" and NATURAL else 12
+        return SMS * min(warps // WARPS, SM_SHARED_BYTES // (dynamic + _STATIC_SMEM + 1024))
+    return fits("moe_fc1", _fc1_smem(hidden, shared_inter, nt)), fits("moe_fc2", _fc2_smem(inter, shared_inter, nt))
 
 
 def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,

@@ -650,9 +650,11 @@ def test_cuda_dispatch_launches_only_listed_specs(cuda_route: bool, monkeypatch:
             assert grid0 == (t + (e // 8) * moe_cuda.route_split(h, e)[1],)
 
 
-def test_no_shared_expert_launches_only_listed_specs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model without a shared expert whose config still names a shared width (wider than the routed one): the
-    decode launches with S = 0, and the lowering lists those builds (their shared memory follows S), not the width's."""
+@pytest.mark.parametrize("named_width", [3072, 8192])
+def test_no_shared_expert_launches_only_listed_specs(named_width: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model without a shared expert whose config still names a shared width (wider than the routed one; 8192:
+    wider than the decode kernels take): the decode launches with S = 0, and the lowering lists those builds (their
+    shared memory and whether they run at all follow S), not the width's."""
     from m3c.backends.kernels import megamoe as mm_mod
     from m3c.backends.kernels import moe_routing
     from m3c.backends.kernels.megamoe import megamoe, megamoe_specs
@@ -660,7 +662,7 @@ def test_no_shared_expert_launches_only_listed_specs(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(moe_routing, "interpreting", lambda: False)
     monkeypatch.setattr(mm_mod, "_mma_ok", lambda x, w13, sw13, top_k: x.shape[0] <= moe_cuda.MAX_TOKENS)
     h, inter, e, k = 6144, 1536, 64, 8
-    listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, 2 * inter, "bf16", "nvfp4", "none")}
+    listed = {sp.key() for sp in megamoe_specs(h, inter, e, k, named_width, "bf16", "nvfp4", "none")}
     w13, w2 = nvfp4(e, 2 * inter, h), nvfp4(e, h, inter)
     for t in (1, 8, 16, 40):
         seen: list = []

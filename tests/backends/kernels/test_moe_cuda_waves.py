@@ -43,11 +43,17 @@ def _resident(spec) -> int:
 
 
 @pytest.mark.parametrize("tokens,hidden,inter,shared", [(1, 6144, 1536, 1536), (16, 6144, 1536, 1536),
-                                                        (40, 6144, 1536, 1536), (1, 7168, 2048, 1024)])
-def test_one_wave_is_what_the_builds_hold(tokens: int, hidden: int, inter: int, shared: int) -> None:
-    """one_wave's (FC1, FC2) CTAs = SMS x the CTAs an SM holds of each kernel as built (registers, shared memory)."""
+                                                        (40, 6144, 1536, 1536), (1, 7168, 2048, 1024),
+                                                        (40, 7168, 2048, 1024)])
+@pytest.mark.parametrize("natural", [False, True])
+@pytest.mark.parametrize("fold", [False, True])
+def test_one_wave_is_what_the_builds_hold(tokens: int, hidden: int, inter: int, shared: int, natural: bool,
+                                          fold: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """one_wave's (FC1, FC2) CTAs = SMS x the CTAs an SM holds of each kernel as built (registers, shared memory),
+    folded or not, prepacked or NATURAL (whose NT = 2 FC2 takes 211 registers: 2 CTAs an SM)."""
+    monkeypatch.setattr(moe_cuda, "NATURAL", natural)
     nt, wide = moe_cuda.decode_build(tokens)
-    specs = {sp.kernel: sp for sp in moe_cuda.mma_specs(hidden, inter, shared, "bf16", nt, wide)}
+    specs = {sp.kernel: sp for sp in moe_cuda.mma_specs(hidden, inter, shared, "bf16", nt, wide, fold)}
     got = tuple(moe_cuda.SMS * _resident(specs[k]) for k in ("moe_fc1", "moe_fc2"))
     assert moe_cuda.one_wave(tokens, hidden, inter, shared) == got
 
