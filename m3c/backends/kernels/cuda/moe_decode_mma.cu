@@ -1,8 +1,8 @@
 // MegaMoE decode (1 <= T <= TMAX tokens) for sm_90: NVFP4 routed experts + MXFP8 shared expert, weights streamed
 // once from a prepacked layout, decoded in registers straight into mma.sync m16n8k16 f16 A fragments (weights are
-// the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. The weight streams and
-// the GEMV: moe_weight_stream.cuh; the combine: moe_decode_combine.cuh. No system headers (only ptx_common.cuh and
-// those): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (the most
+// the MMA's M, the tokens its N). Layouts and numerics: m3c/backends/kernels/moe_cuda.py. The work items:
+// moe_decode_items.cuh; the weight streams and the GEMV: moe_weight_stream.cuh; the combine: moe_decode_combine.cuh.
+// No system headers (only ptx_common.cuh and those): builds with a bare nvcc (PyPI). Compile-time settings: WARPS (warps per CTA), NT (the most
 // 8-column MMA tiles a CTA runs at once: a CTA runs one when at most 8 tokens picked its expert; more than 8 NT run
 // as column groups of 8 NT, one after another (routed) or as more CTAs (shared expert)), TMAX (tokens), ACT_BF16
 // (activations bf16, else float32), DECODE (0: E2M1 -> f16 by byte lookups, 1: by lookups to E4M3 + cvt, 2: the loads
@@ -75,6 +75,7 @@ static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one
 
 #include "ptx_common.cuh"
 #include "moe_tokens.cuh"
+#include "moe_decode_items.cuh"
 #include "moe_weight_stream.cuh"
 #include "moe_decode_combine.cuh"
 
@@ -180,100 +181,6 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
     if (k < K) *(u32*)(act16 + (long)p * ROWS / 2 + k) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
   }
   if (threadIdx.x == 0) amult[p] = up;
-}
-
-struct Block {   // what one CTA works on
-  int expert;    // routed expert id, or -1 for the shared expert
-  int row0;      // first weight row of the CTA (within the expert's rows)
-  int ks, KS;    // K split index and count
-  int grp;       // shared expert: its column group (tokens MAXT grp ..); routed: -1, every group in turn
-};
-
-// Work item `item`: routed (expert slot x row block x KSr splits) items first, then shared (row block x KSs
-// splits x column groups of MAXT of the T tokens, the groups innermost: the CTAs that read the same weights run
-// side by side and share them through L2; ids not read). Returns false if the item's expert slot is unused (fewer
-// experts touched than slots).
-__device__ bool find_block(Block& b, int item, const long long* ids, int T, int topk, int E, int n_slots, int rows,
-                           int srows, int KSr, int KSs, u32* flags) {
-  const int per = rows / (32 * WARPS), n_ids = T * topk;
-  if (item >= n_slots * per * KSr) {
-    item -= n_slots * per * KSr;
-    const int groups = SHARED_GROUPS(T);
-    b.expert = -1;
-    b.KS = KSs;
-    b.grp = item % groups;
-    item /= groups;
-    b.ks = item % KSs;
-    b.row0 = (item / KSs) * 32 * WARPS;
-    return b.row0 < srows;
-  }
-  b.grp = -1;
-  b.KS = KSr;
-  b.ks = item % KSr;
-  item /= KSr;
-  const int slot = item / per;
-  b.row0 = (item % per) * 32 * WARPS;
-  for (int i = threadIdx.x; i < (E + 31) / 32; i += blockDim.x) flags[i] = 0u;
-  __syncthreads();
-  for (int i = threadIdx.x; i < n_ids; i += blockDim.x) {
-    long long e = ids[i];
-    if (e >= 0 && e < E) atomicOr(&flags[e >> 5], 1u << (e & 31));
-  }
-  __syncthreads();
-  int left = slot;
-  b.expert = -2;
-  for (int w = 0; w < (E + 31) / 32; ++w) {
-    u32 f = flags[w];
-    int c = __popc(f);
-    if (left < c) {
-      for (int k = 0; k < left; ++k) f &= f - 1u;
-      b.expert = w * 32 + __ffs(f) - 1;
-      break;
-    }
-    left -= c;
-  }
-  return b.expert >= 0;
-}
-
-// The tokens this block works on, compacted: pair[n] = the row of h / y of token n (routed: n * topk + slot or -1;
-// shared: T * topk + n), tok[c] = the c-th token with a pair (in token order), *cnt their number. The MMA's columns
-// are c < cnt, so a routed expert that 3 of 16 tokens picked runs one 8-column tile and stages 3 rows, not 16.
-// `masks`: WARPS words of shared scratch.
-__device__ void find_tokens(int* pair, int* tok, int* cnt, u32* masks, const long long* ids, int T, int topk,
-                            int expert) {
-  for (int n = threadIdx.x; n < T; n += blockDim.x) {
-    int p = -1;
-    if (expert < 0) {
-      p = T * topk + n;
-    } else {
-      for (int k = 0; k < topk; ++k)
-        if (ids[n * topk + k] == expert) { p = n * topk + k; break; }
-    }
-    pair[n] = p;
-  }
-  __syncthreads();
-#if TMAX <= 32
-  if (threadIdx.x < 32) {  // one warp compacts by ballot
-    const int n = threadIdx.x;
-    const bool has = n < T && pair[n] >= 0;
-    const u32 mask = __ballot_sync(0xffffffffu, has);
-    if (has) tok[__popc(mask & ((1u << n) - 1u))] = n;
-    if (n == 0) *cnt = __popc(mask);
-  }
-#else
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = threadIdx.x, warps = (T + 31) >> 5;
-  const bool has = n < T && pair[n] >= 0;  // warp w compacts tokens 32 w .. 32 w + 31 by ballot
-  const u32 mask = warp < warps ? __ballot_sync(0xffffffffu, has) : 0u;
-  if (lane == 0) masks[warp] = mask;
-  __syncthreads();
-  if (warp < warps) {
-    int base = 0;
-    for (int w = 0; w < warp; ++w) base += __popc(masks[w]);
-    if (has) tok[base + __popc(mask & ((1u << lane) - 1u))] = n;
-    if (warp == warps - 1 && lane == 0) *cnt = base + __popc(mask);
-  }
-#endif
-  __syncthreads();
 }
 
 // Every piece (r, p) of a rows x per grid, the CTA's threads blockDim apart, four a thread at a time: load(r, p) of
@@ -492,54 +399,6 @@ __device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, 
 #endif
   run_tiles<1>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride,
                stage);
-}
-
-// A block's column groups, MAXT columns each, over its compacted columns [c0, c1): routed blocks every group of their
-// cnt columns in turn (more than one only when more than MAXT tokens picked the expert: each further group reads the
-// CTA's weights again, from L2 where they still are), shared blocks their own group of the T tokens. The block and
-// its range wait in shared memory, read back (volatile) at each group: with them in registers across the GEMV,
-// offline sm_90a, FC2 at NT 2 took 221-243 registers instead of 168. Even so a loop over groups made the 8- and
-// 16-token builds' FC1 spill (88 / 184 bytes) and those builds 2-4% slower (T = 4, 16 on the H200, session 23), so
-// only the looping builds (GROUPS > 1: NT 1 for 9..NT1_MAX_TOKENS tokens, NT 2 above) loop (for_groups); the 8-token
-// build runs its one group as before.
-struct Groups {
-  Block b;
-  int c0, c1;
-};
-
-__device__ __forceinline__ void put_groups(Groups* gs, const Block& b, int cnt) {
-  if (threadIdx.x == 0) {
-    gs->b = b;
-    gs->c0 = b.grp < 0 ? 0 : b.grp * MAXT;
-    gs->c1 = b.grp < 0 ? cnt : min(cnt, gs->c0 + MAXT);
-  }
-  __syncthreads();
-}
-
-// Group i of the block (false past its last): the block and the group's first column / column count.
-__device__ __forceinline__ bool get_group(const Groups* gs, int i, Block& b, int& c0, int& n) {
-  const volatile Groups* v = gs;
-  c0 = v->c0 + i * MAXT;
-  n = min(MAXT, v->c1 - c0);
-  b.expert = v->b.expert;
-  b.row0 = v->b.row0;
-  b.ks = v->b.ks;
-  b.KS = v->b.KS;
-  b.grp = v->b.grp;
-  return n > 0;
-}
-
-// run(block, c0, n) for each column group of the block (cnt columns; the looping builds), through shared memory as
-// above, with a barrier between groups (the next one overwrites the staged columns).
-template <class Run>
-__device__ __forceinline__ void for_groups(Groups* gs, const Block& b, int cnt, Run run) {
-  put_groups(gs, b, cnt);
-  Block g;
-  int c0, n;
-  for (int i = 0; get_group(gs, i, g, c0, n); ++i) {
-    if (i) __syncthreads();
-    run(g, c0, n);
-  }
 }
 
 #if FOLD_ACT
