@@ -19,7 +19,7 @@ t0=$(date +%s)
 mark() { echo "[$1: $(( $(date +%s) - t0 )) s]"; }
 
 tests() {
-  local p="python -m pytest -m gpu -q -p no:cacheprovider"
+  local p="python -m pytest -m gpu -v -p no:cacheprovider"  # (-v: a line a test as it ends, so a cut-off log names them)
   # six processes at once need the H200's 141 GB: on an 80 GB H100 they ran out of memory (session 30), so there
   # the second three wait for the first three
   local mib; mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
