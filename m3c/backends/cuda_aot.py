@@ -146,21 +146,27 @@ def _nvcc(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> tuple
         return out.read_bytes(), ptx.read_text() if ptx else ""
 
 
-def disassemble(cubin: bytes) -> str:
-    """The SASS of a cubin (cuobjdump from Triton's wheel or the toolkit)."""
+def cuobjdump(cubin: bytes, *flags: str) -> str:
+    """cuobjdump's output for a cubin with these flags (``-sass``, ``-res-usage``; the tool from Triton's wheel or
+    the toolkit)."""
     import triton
 
     tools = [Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump", shutil.which("cuobjdump")]
     tool = next((str(t) for t in tools if t and Path(t).exists()), None)
     if tool is None:
-        raise KernelCompileError("no cuobjdump found to disassemble a cubin")
+        raise KernelCompileError("no cuobjdump found to read a cubin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True)
+        res = subprocess.run([tool, *flags, f.name], capture_output=True, text=True)
     if res.returncode:
         raise KernelCompileError(f"cuobjdump failed: {res.stderr[-2000:]}")
     return res.stdout
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin."""
+    return cuobjdump(cubin, "-sass")
 
 
 _LOADED: dict[str, Any] = {}

@@ -5,14 +5,10 @@ splits) counts; and a layout whose FC1 fits fewer CTAs an SM does not fold at a 
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from m3c.backends.cuda_aot import compile_cuda
+from m3c.backends.cuda_aot import compile_cuda, cuobjdump
 from m3c.backends.kernels import moe_cuda
 
 REGS_PER_SM, WARPS_PER_SM = 65536, 64
@@ -20,15 +16,7 @@ REGS_PER_SM, WARPS_PER_SM = 65536, 64
 
 def _usage(spec) -> tuple[int, int]:
     """(registers a thread, static + dynamic shared bytes) of the spec's kernel in its sm_90a cubin."""
-    import triton
-
-    tools = [Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump", shutil.which("cuobjdump")]
-    tool = next(str(t) for t in tools if t and Path(t).exists())
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compile_cuda(spec).binary)
-        f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    lines = text.splitlines()
+    lines = cuobjdump(compile_cuda(spec).binary, "-res-usage").splitlines()
     at = next(i for i, line in enumerate(lines) if re.search(rf"Function {spec.kernel}\b", line))
     usage = lines[at + 1]
     return int(re.search(r"REG:(\d+)", usage)[1]), int(re.search(r"SHARED:(\d+)", usage)[1]) + spec.shared_bytes
