@@ -46,15 +46,19 @@ def _deq(w, fmt: str) -> torch.Tensor:
     return w.float()
 
 
+def _expert(w, e: int):
+    """Expert e of a stacked [E, N, K] weight, in its own format (an NVFP4 per-row tensor scale sliced with it)."""
+    if isinstance(w, quant.NVFP4Tensor):
+        gs = w.global_scale
+        return quant.NVFP4Tensor(w.data[e], w.scale[e], gs[e] if gs is not None and gs.dim() else gs)
+    if isinstance(w, quant.MXFP8Tensor):
+        return quant.MXFP8Tensor(w.data[e], w.scale[e])
+    return w[e]
+
+
 def _deq_expert(w, fmt: str, e: int) -> torch.Tensor:
     """Expert e of a stacked [E, N, K] weight, dequantized (float32)."""
-    if fmt == "nvfp4":
-        gs = w.global_scale
-        return quant.nvfp4_dequantize(quant.NVFP4Tensor(w.data[e], w.scale[e], gs[e] if gs is not None and gs.dim()
-                                                        else gs))
-    if fmt == "mxfp8":
-        return quant.mxfp8_dequantize(quant.MXFP8Tensor(w.data[e], w.scale[e]))
-    return w[e].float()
+    return _deq(_expert(w, e), fmt)
 
 
 def _to(w, device: str):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_moe_prefill import _check, _problem, _reference, _to
+from test_moe_prefill import _check, _expert, _problem, _reference, _to
 
 from m3c.backends.cuda_aot import SOURCE_DIR, compile_cuda, disassemble, find_nvcc
 from m3c.backends.kernels import moe_cuda
@@ -341,13 +341,10 @@ def _e4m3_weights(w: quant.NVFP4Tensor, expert: int) -> torch.Tensor:
     """One expert's weights as the fp8 build has them, in float64: value x scale x 2^-wexp (wexp: the whole
     weight's) rounded to E4M3, x 2^wexp x the tensor scale. (An expert at a time: all 64 of m3.1-small's FC1 in
     float64 are ~10 GB, too much beside the other GPU test processes.)"""
-    e = pc.fp8_exponent(w)
-    qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(w.data[expert], w.scale[expert], None))
+    e, one = pc.fp8_exponent(w), _expert(w, expert)
+    qs = quant.nvfp4_dequantize(quant.NVFP4Tensor(one.data, one.scale, None))
     q8 = (qs * 2.0**-e).to(torch.float8_e4m3fn).double() * 2.0**e
-    gs = w.global_scale
-    if gs is None:
-        return q8
-    return q8 * (gs[expert] if gs.dim() else gs).double()  # [N, 1] of [E, N, 1], or a 0-d scale
+    return q8 * one.global_scale.double() if one.global_scale is not None else q8  # [N, 1] or a 0-d scale
 
 
 def _e4m3_rows(v: torch.Tensor) -> torch.Tensor:
