@@ -4,7 +4,9 @@ kernels take T, the expert launches alone over the same routing; the error again
 of the output (equal hashes: bitwise the same result).
 
 Usage (H200): PYTHONPATH=<tree> python benchmarks/bench_moe_ab.py --tag new --tokens 1,4,16,64 >> ab.jsonl
-A knob of one tree instead: ... --tag d1 --knob DECODE=1 (moe_cuda's module attributes, ints).
+A knob of one tree instead: ... --tag d1 --knob DECODE=1 (moe_cuda's module attributes, ints); the programmatic
+launches of one NT build: ... --tag fc2 --pdl 1=moe_fc2 (``--pdl 1=`` none; ``--pdl fold=...`` the folded calls';
+moe_cuda.PDL).
 Then: python benchmarks/bench_moe_ab.py --summarize ab.jsonl (a line per T and tag, the runs side by side).
 """
 
@@ -68,6 +70,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,16,64")
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=INT",
                     help="set moe_cuda.NAME (an int or bool knob, e.g. DECODE=1) before timing")
+    ap.add_argument("--pdl", action="append", default=[], metavar="NT=K1,K2",
+                    help="launch these kernels of the NT (or 'fold') builds programmatically (moe_cuda.PDL; empty: none)")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -78,6 +82,13 @@ def main() -> None:
         name, value = kv.split("=")
         old = getattr(moe_cuda, name)  # (an unknown name fails here)
         setattr(moe_cuda, name, type(old)(int(value)))
+    for kv in args.pdl:
+        nt, names = kv.split("=")
+        kernels = tuple(k for k in names.split(",") if k)
+        unknown = set(kernels) - set(moe_cuda.PDL_KERNELS)
+        if unknown:
+            ap.error(f"--pdl {kv}: {sorted(unknown)} not in {moe_cuda.PDL_KERNELS}")
+        moe_cuda.PDL = {**moe_cuda.PDL, (nt if nt == "fold" else int(nt)): kernels}
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
