@@ -2,13 +2,15 @@
 # One device call's worth of checks, for the H200 machine (30 device minutes a session, 10 a call): run from
 # the repository root with PYTHONPATH=. and $OUT set; writes logs and JSON under $OUT and prints a summary.
 #
-#   bash benchmarks/device_check.sh tests        # every GPU test, five processes in parallel (~300 s)
+#   bash benchmarks/device_check.sh tests        # every GPU test, six processes in parallel (~10 min since session
+#                                                # 30: more than one call; session 33 ran the rest by --deselect)
 #   bash benchmarks/device_check.sh bench        # e2e, MoE decode points + CUDA kernels, MSA grid, traces (~330 s)
 #   bash benchmarks/device_check.sh sweep        # MSA top-k launch shapes + CUDA indexer chunking (~200 s)
 #   bash benchmarks/device_check.sh attn         # the CUDA C++ attention decode vs Triton, then the MSA grid with Triton
 #   bash benchmarks/device_check.sh decode       # MegaMoE's decode GPU tests, then issue 6's decode table (~250 s)
 #   bash benchmarks/device_check.sh folds        # the act / combine folds: a same-run A/B, then the decode's GPU tests
 #   bash benchmarks/device_check.sh prefetch     # PREFETCH_FC2 0 / 1 / 2 / 3: a same-run A/B at T = 1, 2, its GPU tests
+#   bash benchmarks/device_check.sh timeline     # the decode CTA by CTA (moe_cuda.TIMELINE) at T = 1, 4, 16 (~90 s)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -106,6 +108,12 @@ prefetch() {  # PREFETCH_FC2 (FC1 asks L2 for FC2's first super-chunks where the
   tail -3 "$OUT/t_prefetch.log"
 }
 
+timeline() {  # when each FC1 / FC2 CTA enters, stages, streams and leaves, and the weight bytes a microsecond
+  timeout 150 python benchmarks/bench_moe_cta_timeline.py --tokens "${TL_TOKENS:-1,4,16}" > "$OUT/cta_timeline.txt" 2>&1
+  mark timeline
+  grep -E '^T =' "$OUT/cta_timeline.txt"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -118,7 +126,8 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds|prefetch) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds or prefetch" >&2; exit 2 ;;
+    tests|bench|sweep|attn|decode|folds|prefetch|timeline) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch or timeline" >&2
+       exit 2 ;;
   esac
 done

@@ -152,8 +152,17 @@ FC1 CTA asks L2 (``prefetch.global.L2``) for the first n super-chunks (codes and
 the FC2 items it stands for (define ``PREFETCH_FC2``), once its GEMV is done. HBM then reads them while FC1's last
 CTAs finish, FC2 launches and stages, when it would idle, and FC2's first loads hit L2; the output is bitwise the
 same. At T = 1 of m3.1-small an FC2 item reads 6 super-chunks; n = 2 asks for ~17 of FC2's 52 MB (~4 µs of HBM).
-Written without a GPU (session 32): off until timed. Prediction at T = 1: -1.5 to -3 µs of the whole op's ~59
-(FC2's ~4 µs of fixed cost, session 26, less its launch, which no prefetch hides)."""
+Timed on the H200 (session 33, same run, three alternations, whole op from CUDA graphs, bitwise the same output):
+T = 1 n = 0 59.1 / 59.2 / 59.1 µs, n = 1 60.0 / 59.6 / 59.8, n = 2 60.0 / 60.2 / 60.2, n = 3 60.6 / 60.8 / 60.6;
+T = 2 (not folded: the control) all 86.9-87.4. Predicted -1.5 to -3 µs: wrong sign, so it stays off. The CTA
+timeline (``benchmarks/bench_moe_cta_timeline.py``) says why: FC1's tail is its routed CTAs still streaming at 3.5
+TB/s after the shared expert's finish, so the prefetches compete with them (benchmarks/RESULTS.md session 33)."""
+
+TIMELINE = False
+"""A benchmark probe (``benchmarks/bench_moe_cta_timeline.py``): FC1 and FC2 stamp each CTA's %globaltimer at entry,
+before its staging, after its GEMV's stores and at exit, with its SM, expert, K split and K range (define
+``TIMELINE``), into int64 [grid, 8] tensors left in :data:`last_timeline` (FC1's, FC2's) by each call."""
+last_timeline: list[torch.Tensor] = []
 
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
@@ -356,29 +365,30 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
-                      PREFETCH_FC2 if fold and not wide else 0)
+                      PREFETCH_FC2 if fold and not wide else 0, TIMELINE)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
-               prefetch: int = 0) -> tuple[CudaKernelSpec, ...]:
+               prefetch: int = 0, timeline: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
-         *((("PREFETCH_FC2", prefetch),) if prefetch else ()))
+         *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()))
+    tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)
 
     fc1 = spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "
                "KSr KSs *h P ROWS" + (" *act *counters" if fold_act else "")
-               + (" *rcode2 *rscale2 *scode2 *sscale2 KS2s" if prefetch else ""), warps,
+               + (" *rcode2 *rscale2 *scode2 *sscale2 KS2s" if prefetch else "") + tl, warps,
                _fc1_smem(hidden, shared_inter, nt))
     fc2 = spec("moe_fc2", ("*act" if fold_act else "*act16 *amult") + " T *ids *wts topk E n_slots *rcode *rscale *rrow "
-               "*scode *sscale I S H KSs P ROWS *y" + (" *out *done" if fold_combine else ""), warps,
+               "*scode *sscale I S H KSs P ROWS *y" + (" *out *done" if fold_combine else "") + tl, warps,
                _fc2_smem(inter, shared_inter, nt))
     return (spec("moe_stage_x", "*x H *x16 *xmult", 8), fc1,
             *(() if fold_act else (spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 16),)),
@@ -646,18 +656,22 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if not staged:
         runner(specs["moe_stage_x"], (t,), [xa, hidden, x16, xmult])
     rows = _rows_per_cta()
+    timeline = "TIMELINE" in dict(specs["moe_fc1"].defines)
+    if timeline:  # (the probe: zeros where a CTA stamps nothing)
+        last_timeline[:] = [torch.zeros((g, 8), dtype=torch.int64, device=dev) for g in (grid1, grid2)]
+    tl1, tl2 = ([v] for v in last_timeline) if timeline else ([], [])
     runner(specs["moe_fc1"], (grid1,), [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i,
                                         sc13, ss13, 2 * s, hidden, ks1, ks1s, h, pairs, rows_ws,
                                         *((act_v, counters) if fold else ()),
                                         *((c2[0], c2[1], sc2, ss2, ks2s) if "PREFETCH_FC2" in dict(specs["moe_fc1"].defines)
-                                          else ())])
+                                          else ()), *tl1])
     if not fold:
         runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     done = persistent(done_key, lambda: torch.zeros(hidden // rows, dtype=torch.int32, device=dev)) \
         if fold_combine else None  # a counter per FC2 row block
     runner(specs["moe_fc2"], (grid2,), [*((act_v,) if fold else (act16, amult)), t, ids, wts, top_k, e, n_slots,
                                         c2[0], c2[1], g2, sc2, ss2, inter, s, hidden, ks2s, pairs, rows_ws, y,
-                                        *((out, done) if fold_combine else ())])
+                                        *((out, done) if fold_combine else ()), *tl2])
     if not fold_combine:
         runner(specs["moe_combine"], (triton.cdiv(hidden, 256), t),
                [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])

@@ -11,7 +11,10 @@
 // warp issues its first super-chunk's weight loads before its CTA stages the tokens: staged()), FOLD_ACT (1: no
 // moe_act launch: FC1's CTAs that finish an act chunk's last partial compute it, FC2 stages from it: act_tail(),
 // stage_act()), FOLD_COMBINE (1: no moe_combine launch: FC2's last CTA of each row block sums it: combine_tail()),
-// PREFETCH_FC2 (n > 0: FC1's CTAs ask L2 for FC2's first n super-chunks once their GEMV is done: prefetch_fc2()).
+// PREFETCH_FC2 (n > 0: FC1's CTAs ask L2 for FC2's first n super-chunks once their GEMV is done: prefetch_fc2()),
+// TIMELINE (1, a benchmark probe: FC1 and FC2 take one more argument, tl, and each CTA's thread 0 writes 8 words
+// tl[blockIdx.x][:] = the %globaltimer at entry, before the staging, after the GEMV's stores, at exit; its SM, expert
+// (-1 shared, -2 an unused slot), K split and K range: stamp(), mark()).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine (FOLD_ACT / FOLD_COMBINE: without
 // moe_act / moe_combine), each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
@@ -48,6 +51,9 @@
 #ifndef PREFETCH_FC2
 #define PREFETCH_FC2 0  // n > 0: each FC1 CTA asks L2 for the first n super-chunks of the FC2 items it stands for
 #endif
+#ifndef TIMELINE
+#define TIMELINE 0
+#endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 // FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
 // ptxas gives FC2 129 and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31
@@ -78,6 +84,40 @@ static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one
 #include "moe_decode_items.cuh"
 #include "moe_weight_stream.cuh"
 #include "moe_decode_combine.cuh"
+
+#if TIMELINE
+typedef unsigned long long u64;
+__device__ __forceinline__ void stamp(u64* tl, int slot) {  // thread 0: tl[blockIdx.x][slot] = %globaltimer (ns)
+  if (threadIdx.x == 0) {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+    tl[blockIdx.x * 8 + slot] = t;
+  }
+}
+__device__ __forceinline__ void mark(u64* tl, int expert, int ks, int Kc) {  // what the CTA works on, where
+  if (threadIdx.x == 0) {
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    tl[blockIdx.x * 8 + 4] = sm;
+    tl[blockIdx.x * 8 + 5] = (u64)(long long)expert;
+    tl[blockIdx.x * 8 + 6] = ks;
+    tl[blockIdx.x * 8 + 7] = Kc;
+  }
+}
+struct ExitStamp {  // stamps slot 3 on every way out of the kernel
+  u64* tl;
+  __device__ ~ExitStamp() { stamp(tl, 3); }
+};
+#define TL_PARAM u64* tl,  // (the last user argument)
+#define STAMP(slot) stamp(tl, slot)
+#define MARK(e, ks, kc) mark(tl, e, ks, kc)
+#define STAMP_EXIT ExitStamp exit_stamp{tl}; stamp(tl, 0)
+#else
+#define TL_PARAM
+#define STAMP(slot)
+#define MARK(e, ks, kc)
+#define STAMP_EXIT
+#endif
 
 __device__ float block_max(float v, float* red) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -496,7 +536,8 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
 #if PREFETCH_FC2
         const u8* rcode2, const u8* rscale2, const u8* scode2, const u8* sscale2, int KS2s,  // FC2's weights, split
 #endif
-        void* scratch0, void* scratch1) {
+        TL_PARAM void* scratch0, void* scratch1) {
+  STAMP_EXIT;
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT], down[MAXT];
@@ -526,10 +567,13 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
   if (!shared) grid_wait();
 #endif
   Block b;
-  if (!find_block(b, item, ids, T, topk, E, n_slots, rows, srows, KSr, KSs, flags)) return;
+  const bool found = find_block(b, item, ids, T, topk, E, n_slots, rows, srows, KSr, KSs, flags);
+  MARK(b.expert, b.ks, H / b.KS);
+  if (!found) return;
   const int Kc = H / b.KS;
   prefetch_first(b, b.expert >= 0 ? rows : srows, H, Kc, rcode, scode);
   find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
+  STAMP(1);
   u16* xs = (u16*)smem;
 #if GROUPS == 1
 #if FOLD_ACT
@@ -550,6 +594,7 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
         run_cols(b, b.expert >= 0 ? rows : srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode,
                  sscale, nullptr, h + (long)b.ks * P * ROWS, ROWS, stage);
       });
+  STAMP(2);
 #if PREFETCH_FC2
   prefetch_fc2(&pfb, rows / 2, srows / 2, H, KS2s, rcode2, rscale2, scode2, sscale2);
 #endif
@@ -568,6 +613,7 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
       run_cols(g, srows, H, Kc, Cols{pair, tok + c0, n}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
                h + (long)g.ks * P * ROWS, ROWS, stage);
     });
+    STAMP(2);
 #if FOLD_ACT
     act_tail(&tail, pair, tok, h, (long)P * ROWS, ROWS, act, &is_last);
 #endif
@@ -584,6 +630,7 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
                h + (long)g.ks * P * ROWS, ROWS, stage);
     });
   });
+  STAMP(2);
 #if FOLD_ACT
   act_tail(&tail, pair, tok, h, (long)P * ROWS, ROWS, act, &is_last);
 #endif
@@ -608,7 +655,8 @@ moe_fc2(
 #if FOLD_COMBINE
         void* out, int* done,  // the op's output; a counter per row block, left at zero
 #endif
-        void* scratch0, void* scratch1) {
+        TL_PARAM void* scratch0, void* scratch1) {
+  STAMP_EXIT;
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT];
@@ -631,6 +679,7 @@ moe_fc2(
   };
   Block b;
   const bool found = find_block(b, blockIdx.x, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags);
+  MARK(b.expert, b.ks, (b.expert >= 0 ? I : S) / b.KS);
 #if FOLD_COMBINE
   if (threadIdx.x == 0) row0 = b.row0;
   if (!found && b.expert == -2) {  // an unused routed slot arrives too (what it adds: nothing)
@@ -644,6 +693,7 @@ moe_fc2(
   find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
   for (int c = threadIdx.x; c < cnt; c += blockDim.x) rowof[c] = pair[tok[c]];
   __syncthreads();
+  STAMP(1);
   u16* xs = (u16*)smem;
 #if GROUPS == 1
   staged(
@@ -671,6 +721,7 @@ moe_fc2(
         });
   });
 #endif
+  STAMP(2);
 #if FOLD_COMBINE
   combine();
 #endif
