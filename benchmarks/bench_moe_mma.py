@@ -56,9 +56,9 @@ def decode_point(t: int, moe, mm: MegaMoE, gen: torch.Generator) -> tuple[torch.
     return x, ids, w, touched, floor_ms, moe(x.float())
 
 
-def pdl_setting(pdl: str, default: dict[int, tuple[str, ...]]) -> dict[int, tuple[str, ...]]:
+def pdl_setting(pdl: str, default: dict[int | str, tuple[str, ...]]) -> dict[int | str, tuple[str, ...]]:
     """moe_cuda.PDL for a --pdl value: "default" (`default`, the module's own), "none", or kernels comma-separated
-    ("fc1,act,fc2,combine") launched programmatically at every NT."""
+    ("fc1,act,fc2,combine") launched programmatically in every build (folded or not)."""
     if pdl == "default":
         return default
     kernels = tuple(f"moe_{k}" for k in pdl.replace("moe_", "").split(",") if k != "none")

@@ -165,14 +165,16 @@ before its staging, after its GEMV's stores and at exit, with its SM, expert, K 
 last_timeline: list[torch.Tensor] = []
 
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
-PDL: dict[int, tuple[str, ...]] = {1: (), 2: PDL_KERNELS}
-"""Per NT, the kernels launched as programmatic dependent launches (``CudaKernelSpec.pdl``; any of
-:data:`PDL_KERNELS`): each starts while its predecessor runs, FC1's shared-expert items run their whole GEMV during
-the routing launch (module docstring, launch 2), FC2 finds its expert during act. Measured on the H200 (same run,
-benchmarks/RESULTS.md session 18): T = 16 2.2-2.5% faster, T = 4 ~1.5% (inside the noise), T = 1 the experts alone
-~5 us slower (cause not measured), so only the NT = 2 builds use it. Session 25, whole op, two alternations: T = 1
-none 62.8 / 65.7 us, all four 66.9 / 66.6, FC1 alone 65.4 / 65.9, FC2 alone 65.9 / 66.4; T = 4 and 8 all within 1%;
-the NT = 1 looping build (T = 12..32) with all four within +-1% of none."""
+PDL: dict[int | str, tuple[str, ...]] = {1: ("moe_fc1", "moe_fc2"), 2: PDL_KERNELS, "fold": ()}
+"""Per NT (and "fold": the builds of calls that fold, :func:`decode_folds`; absent: their NT's), the kernels launched
+as programmatic dependent launches (``CudaKernelSpec.pdl``; any of :data:`PDL_KERNELS`): each starts while its
+predecessor runs, FC1's shared-expert items run their whole GEMV during the routing launch (module docstring, launch
+2), FC2 finds its expert and asks L2 for its first weights during act. Measured on the H200 (whole op from CUDA
+graphs, same run, two alternations, benchmarks/RESULTS.md session 33), none -> FC1 + FC2 at NT = 1: T = 2 89.9 /
+89.7 -> 88.8 / 89.0 us, 4 113.0 / 113.1 -> 110.7 / 110.9, 8 168.4 / 167.2 -> 164.1 / 164.4, 16 261.3 / 261.1 -> 257.7
+/ 258.7, 32 378.6 / 378.8 -> 371.7 / 371.9; but the folded T = 1 59.1 / 59.0 -> 60.9 / 60.9 (FC1 alone 60.2 / 60.3,
+FC2 alone 59.3 / 59.2), so folded calls launch nothing programmatically. Act and combine stay plain at NT = 1: their
+programmatic edges cost ~2 us each (session 26)."""
 FC1_MIN_CTAS: dict[int | str, int] = {2: 4, "wide": 0}
 """Per build (NT, or "wide" for the looping builds), FC1 CTAs of 4 warps an SM the compiler must fit
 (``__launch_bounds__`` minimum, scaled to 4 / WARPS as many CTAs of another size; 0: the compiler's choice; at NT = 1
@@ -363,7 +365,8 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     if why:
         raise ConfigError(f"moe_cuda: {why}")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
-    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(PDL.get(nt, ())),
+    pdl = PDL.get("fold", PDL.get(nt, ())) if fold else PDL.get(nt, ())
+    return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE)
 

@@ -161,6 +161,18 @@ def test_dependent_launches_wait_and_release_in_sass(tokens: int, monkeypatch: p
     assert all(a.key() != b.key() for a, b in zip(specs[1:], plain[1:])) and specs[0].key() == plain[0].key()
 
 
+@pytest.mark.parametrize("tokens, programmatic", [
+    (1, ()),  # the folded build: nothing (FC1 or FC2 programmatic was 1-2 us slower, RESULTS.md session 33)
+    (4, ("moe_fc1", "moe_fc2")), (16, ("moe_fc1", "moe_fc2")), (32, ("moe_fc1", "moe_fc2")),
+    (40, moe_cuda.PDL_KERNELS)])
+def test_default_dependent_launches_per_build(tokens: int, programmatic: tuple[str, ...]) -> None:
+    """The shipped PDL choice at m3.1-small's layout: the kernels a call of T tokens launches programmatically."""
+    build = moe_cuda.call_build(tokens, 6144, 1536, 64, 8, 1536)
+    assert build[2] == (tokens == 1)  # one token folds there, more do not
+    specs = moe_cuda.mma_specs(6144, 1536, 1536, "bf16", *build)
+    assert tuple(sp.kernel for sp in specs if sp.pdl) == programmatic
+
+
 def _case(t: int, hidden: int, inter: int, experts: int, top_k: int, shared: str, act: torch.dtype,
           x_scale: float = 1.0):
     from m3c.backends.kernels.moe_routing import moe_route
