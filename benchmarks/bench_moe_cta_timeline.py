@@ -8,7 +8,8 @@ Why (session 33): ``PREFETCH_FC2`` (FC2's first super-chunks asked of L2 by FC1'
 slower at T = 1, against a predicted 1.5-3 µs gain, so "FC1's tail leaves HBM idle" is doubtful. This says what the
 59 µs at T = 1 are made of before building FC1 + FC2 in one launch.
 
-Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_cta_timeline.py [--tokens 1,4,16] [--bin 1.0]
+Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_cta_timeline.py [--tokens 1,4,16] [--bin 1.0] [--knob QUEUE=1]
+(``--knob``: a moe_cuda int / bool knob for both builds; with QUEUE the FC1 / FC2 rows are moe_experts' items).
 The probe's stamps change the kernels a little (T = 16's FC2 spills 8 bytes); its graph time is printed beside the
 plain build's.
 """
@@ -138,7 +139,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--bin", type=float, default=1.0, help="µs a bin of the bytes-in-flight curve")
+    ap.add_argument("--knob", action="append", default=[], metavar="NAME=INT",
+                    help="set moe_cuda.NAME (an int or bool knob, e.g. QUEUE=1) for both builds")
     args = ap.parse_args()
+    for kv in args.knob:
+        name, value = kv.split("=")
+        setattr(moe_cuda, name, type(getattr(moe_cuda, name))(int(value)))  # (an unknown name fails here)
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)

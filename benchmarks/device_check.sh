@@ -11,6 +11,7 @@
 #   bash benchmarks/device_check.sh folds        # the act / combine folds: a same-run A/B, then the decode's GPU tests
 #   bash benchmarks/device_check.sh prefetch     # PREFETCH_FC2 0 / 1 / 2 / 3: a same-run A/B at T = 1, 2, its GPU tests
 #   bash benchmarks/device_check.sh timeline     # the decode CTA by CTA (moe_cuda.TIMELINE) at T = 1, 4, 16 (~90 s)
+#   bash benchmarks/device_check.sh queue        # QUEUE (FC1 + FC2 in one launch): GPU tests, A/B at T = 1, timeline
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -114,6 +115,24 @@ timeline() {  # when each FC1 / FC2 CTA enters, stages, streams and leaves, and 
   grep -E '^T =' "$OUT/cta_timeline.txt"
 }
 
+queue() {  # moe_cuda.QUEUE where the call folds: its GPU tests first (a deadlock ends in the timeout, and the rest
+  # is skipped), then a same-run A/B at T = 1 (QUEUE_REPS alternations), then its timeline beside the plain one's
+  timeout 240 python -m pytest -m gpu -v -p no:cacheprovider tests/backends/kernels/test_moe_cuda_queue.py \
+    > "$OUT/t_queue.log" 2>&1
+  local rc=$?; mark queue_tests; tail -3 "$OUT/t_queue.log"
+  [ "$rc" -ne 0 ] && { echo "queue: GPU tests rc=$rc, no timing"; return; }
+  local rep q
+  for rep in $(seq "${QUEUE_REPS:-3}"); do
+    for q in 0 1; do
+      timeout 60 python benchmarks/bench_moe_ab.py --tag "queue$q" --tokens "${QUEUE_TOKENS:-1}" --knob "QUEUE=$q" \
+        >> "$OUT/queue_ab.jsonl" 2>> "$OUT/queue_ab.err"
+    done
+  done; mark queue_ab
+  python benchmarks/bench_moe_ab.py --summarize "$OUT/queue_ab.jsonl"
+  timeout 120 python benchmarks/bench_moe_cta_timeline.py --tokens 1 --knob QUEUE=1 > "$OUT/cta_timeline_queue.txt" 2>&1
+  mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -126,8 +145,8 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds|prefetch|timeline) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch or timeline" >&2
+    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline or queue" >&2
        exit 2 ;;
   esac
 done

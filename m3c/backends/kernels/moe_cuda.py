@@ -158,6 +158,18 @@ T = 2 (not folded: the control) all 86.9-87.4. Predicted -1.5 to -3 µs: wrong s
 timeline (``benchmarks/bench_moe_cta_timeline.py``) says why: FC1's tail is its routed CTAs still streaming at 3.5
 TB/s after the shared expert's finish, so the prefetches compete with them (benchmarks/RESULTS.md session 33)."""
 
+QUEUE = False
+"""Where the call folds (:func:`decode_folds`; one column group), run FC1 and FC2 as ONE persistent launch,
+``moe_experts`` (define ``QUEUE``, ``cuda/moe_decode_queue.cuh``): as many CTAs as are resident take tickets from a
+counter, FC1's items first, then FC2's; an FC2 item waits only for its own expert's act chunks (per-expert readiness
+counters), not for the whole of FC1, so FC2 streams while FC1's last CTAs drain. Deadlock-free without a cooperative
+launch (tickets in order, FC1 items wait on nothing); the counters are left at zero (graph replays). Why: the CTA
+timeline (benchmarks/RESULTS.md session 33) put 16 µs of T = 1's 59 in ramps and drains inside FC1 and FC2, 0.9 µs
+between them. Written without a GPU (session 33; inlined, the two item kinds spill 128 bytes a thread, outside the
+weight loop): off until its GPU tests and a same-run timing have run. Prediction at T = 1: 59 -> 53-55 µs (FC2's
+ramp and part of FC1's drain hidden)."""
+_STATIC_SMEM_QUEUE = 4096  # moe_experts' static shared memory (FC1's and FC2's both), rounded up (offline: 1.6 KB)
+
 TIMELINE = False
 """A benchmark probe (``benchmarks/bench_moe_cta_timeline.py``): FC1 and FC2 stamp each CTA's %globaltimer at entry,
 before its staging, after its GEMV's stores and at exit, with its SM, expert, K split and K range (define
@@ -357,7 +369,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     with ``fold`` and :data:`FOLD_ACT`, no combine with ``fold`` and :data:`FOLD_COMBINE`);
     ``wide``: the looping build of NT (its CTAs loop over column groups of 8 NT; NT = 1 up to
     :data:`NT1_MAX_TOKENS` tokens, NT = 2 up to :data:`MAX_TOKENS`), else the build for 8 NT; ``fold``: the build
-    for calls that fold (:func:`decode_folds`)."""
+    for calls that fold (:func:`decode_folds`), with :data:`QUEUE` (stage_x, experts): FC1 and FC2 in one launch."""
     tmax = _tmax(nt, wide)
     if WARPS not in _WARPS_TAKEN:
         raise ConfigError(f"moe_cuda: WARPS = {WARPS}: the decode kernels take {_WARPS_TAKEN}")
@@ -368,31 +380,37 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     pdl = PDL.get("fold", PDL.get(nt, ())) if fold else PDL.get(nt, ())
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
-                      PREFETCH_FC2 if fold and not wide else 0, TIMELINE)
+                      PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
+                      QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
-               prefetch: int = 0, timeline: bool = False) -> tuple[CudaKernelSpec, ...]:
+               prefetch: int = 0, timeline: bool = False, queue: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
-         *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()))
+         *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
+         *((("QUEUE", 1),) if queue else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)
 
-    fc1 = spec("moe_fc1", "*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H "
-               "KSr KSs *h P ROWS" + (" *act *counters" if fold_act else "")
-               + (" *rcode2 *rscale2 *scode2 *sscale2 KS2s" if prefetch else "") + tl, warps,
-               _fc1_smem(hidden, shared_inter, nt))
+    fc1_args = ("*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H KSr KSs *h P "
+                "ROWS" + (" *act *counters" if fold_act else "")
+                + (" *rcode2 *rscale2 *scode2 *sscale2 KS2s" if prefetch else ""))
+    smem1, smem2 = _fc1_smem(hidden, shared_inter, nt), _fc2_smem(inter, shared_inter, nt)
+    if queue:  # FC1's arguments, then FC2's own (its weights renamed), then the ticket / readiness counters
+        return spec("moe_stage_x", "*x H *x16 *xmult", 8), spec(
+            "moe_experts", fc1_args + " *wts *rcode2 *rscale2 *rrow2 *scode2 *sscale2 I S KS2s *y *out *done *queue n1 "
+            "n2" + tl, warps, max(smem1, smem2))
+    fc1 = spec("moe_fc1", fc1_args + tl, warps, smem1)
     fc2 = spec("moe_fc2", ("*act" if fold_act else "*act16 *amult") + " T *ids *wts topk E n_slots *rcode *rscale *rrow "
-               "*scode *sscale I S H KSs P ROWS *y" + (" *out *done" if fold_combine else "") + tl, warps,
-               _fc2_smem(inter, shared_inter, nt))
+               "*scode *sscale I S H KSs P ROWS *y" + (" *out *done" if fold_combine else "") + tl, warps, smem2)
     return (spec("moe_stage_x", "*x H *x16 *xmult", 8), fc1,
             *(() if fold_act else (spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 16),)),
             fc2, *(() if fold_combine else (spec("moe_combine", "*y *ids E T topk KSs P H *out", 8),)))
@@ -609,13 +627,15 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     grid1, grid2 = decode_grids(t, hidden, inter, e, top_k, s)
     specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide, folds)}
     fold, fold_combine = "moe_act" not in specs, "moe_combine" not in specs
+    queue = "moe_experts" in specs
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
     chm = max(inter, s) // _rows_per_cta()  # FOLD_ACT's act chunks an expert (counters a row of them)
     counters_key = ("moe_fc1 act counters", str(x.device), e, chm)
     done_key = ("moe_fc2 combine counters", str(x.device), hidden // _rows_per_cta())
+    queue_key = ("moe_experts queue", str(x.device), e)
     if x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
             is_prepacked(*packed) and (not fold or persistent_ready(counters_key))
-            and (not fold_combine or persistent_ready(done_key))):
+            and (not fold_combine or persistent_ready(done_key)) and (not queue or persistent_ready(queue_key))):
         raise CaptureError("moe_decode_mma: the prepacked weights (and FC1's act counters) are built at the first "
                            "call, which must run outside CUDA-graph capture: call once eagerly (a warm-up) before "
                            "capturing")
@@ -659,10 +679,20 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if not staged:
         runner(specs["moe_stage_x"], (t,), [xa, hidden, x16, xmult])
     rows = _rows_per_cta()
-    timeline = "TIMELINE" in dict(specs["moe_fc1"].defines)
-    if timeline:  # (the probe: zeros where a CTA stamps nothing)
-        last_timeline[:] = [torch.zeros((g, 8), dtype=torch.int64, device=dev) for g in (grid1, grid2)]
+    timeline = "TIMELINE" in dict(specs["moe_stage_x"].defines)
+    if timeline:  # (the probe: zeros where a CTA stamps nothing; moe_experts stamps FC1's items, then FC2's)
+        tl = torch.zeros((grid1 + grid2, 8), dtype=torch.int64, device=dev)
+        last_timeline[:] = [tl[:grid1], tl[grid1:]]
     tl1, tl2 = ([v] for v in last_timeline) if timeline else ([], [])
+    done = persistent(done_key, lambda: torch.zeros(hidden // rows, dtype=torch.int32, device=dev)) \
+        if fold_combine else None  # a counter per FC2 row block
+    if queue:
+        _launch_queue(specs["moe_experts"], runner, grid1, grid2, [
+            xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s, hidden, ks1, ks1s,
+            h, pairs, rows_ws, act_v, counters, wts, c2[0], c2[1], g2, sc2, ss2, inter, s, ks2s, y, out, done,
+            persistent(queue_key, lambda: torch.zeros(1 + 2 * (e + MAX_TOKENS // 8), dtype=torch.int32, device=dev)),
+            grid1, grid2, *([tl] if timeline else [])])
+        return out
     runner(specs["moe_fc1"], (grid1,), [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i,
                                         sc13, ss13, 2 * s, hidden, ks1, ks1s, h, pairs, rows_ws,
                                         *((act_v, counters) if fold else ()),
@@ -670,8 +700,6 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                                           else ()), *tl1])
     if not fold:
         runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
-    done = persistent(done_key, lambda: torch.zeros(hidden // rows, dtype=torch.int32, device=dev)) \
-        if fold_combine else None  # a counter per FC2 row block
     runner(specs["moe_fc2"], (grid2,), [*((act_v,) if fold else (act16, amult)), t, ids, wts, top_k, e, n_slots,
                                         c2[0], c2[1], g2, sc2, ss2, inter, s, hidden, ks2s, pairs, rows_ws, y,
                                         *((out, done) if fold_combine else ()), *tl2])
@@ -679,6 +707,15 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         runner(specs["moe_combine"], (triton.cdiv(hidden, 256), t),
                [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])
     return out
+
+
+def _launch_queue(spec: CudaKernelSpec, runner: Runner, n1: int, n2: int, args: list) -> None:
+    """Launch ``moe_experts`` (:data:`QUEUE`, `args` its arguments) over FC1's n1 and FC2's n2 items: as many CTAs
+    as are resident at once on :data:`SMS` SMs (the NT = 1 launch bounds' 16 warps an SM, and shared memory), fewer
+    if there are fewer items; the ticket counter, not the grid, hands out the items, so a part with fewer SMs only
+    runs them in a different order."""
+    resident = SMS * min(16 // WARPS, SM_SHARED_BYTES // (spec.shared_bytes + _STATIC_SMEM_QUEUE + 1024))
+    runner(spec, (min(n1 + n2, resident),), args)
 
 
 class CaptureError(M3CError, RuntimeError):

@@ -80,3 +80,16 @@ def test_stamps_are_ordered_and_the_output_unchanged_gpu(t: int, monkeypatch: py
         assert bool((r[:, 4] < torch.cuda.get_device_properties(0).multi_processor_count).all())
         if kernel == "moe_fc2":
             assert set(r[work & (r[:, 5] >= 0), 7].tolist()) == {inter}
+
+
+def test_one_launch_stamps_fc1s_items_then_fc2s(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With QUEUE (moe_experts) the probe passes one [n1 + n2, 8] tensor; last_timeline views its FC1 and FC2 rows."""
+    monkeypatch.setattr(moe_cuda, "TIMELINE", True)
+    monkeypatch.setattr(moe_cuda, "QUEUE", True)
+    spec, _, args = _launches(1, *SMALL)["moe_experts"]
+    n1, n2 = args["n1"], args["n2"]
+    assert spec.arg_types[-1][0] == "tl" and tuple(args["tl"].shape) == (n1 + n2, 8)
+    fc1, fc2 = moe_cuda.last_timeline
+    assert tuple(fc1.shape) == (n1, 8) and tuple(fc2.shape) == (n2, 8)
+    assert fc1._base is args["tl"] and fc2._base is args["tl"]  # views of the one tensor the kernel writes
+    assert fc1.storage_offset() == 0 and fc2.storage_offset() == n1 * 8

@@ -54,6 +54,9 @@
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
+#ifndef QUEUE
+#define QUEUE 0  // 1: moe_experts, FC1's and FC2's items in one persistent launch (moe_decode_queue.cuh)
+#endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 // FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
 // ptxas gives FC2 129 and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31
@@ -76,6 +79,8 @@
 static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
 static_assert(16 % WARPS == 0 && WARPS <= 4, "the launch bounds count 16 warps an SM");
 static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one column group only");
+static_assert(QUEUE == 0 || (GROUPS == 1 && FOLD_ACT && FOLD_COMBINE && !PREFETCH_FC2),
+              "QUEUE: the folded builds of one column group");
 // The shared expert's column groups for T tokens (a CTA each; moe_cuda's grids count them the same way).
 #define SHARED_GROUPS(T) (GROUPS == 1 ? 1 : ((T) + MAXT - 1) / MAXT)
 
@@ -85,39 +90,7 @@ static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one
 #include "moe_weight_stream.cuh"
 #include "moe_decode_combine.cuh"
 
-#if TIMELINE
-typedef unsigned long long u64;
-__device__ __forceinline__ void stamp(u64* tl, int slot) {  // thread 0: tl[blockIdx.x][slot] = %globaltimer (ns)
-  if (threadIdx.x == 0) {
-    u64 t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-    tl[blockIdx.x * 8 + slot] = t;
-  }
-}
-__device__ __forceinline__ void mark(u64* tl, int expert, int ks, int Kc) {  // what the CTA works on, where
-  if (threadIdx.x == 0) {
-    u32 sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    tl[blockIdx.x * 8 + 4] = sm;
-    tl[blockIdx.x * 8 + 5] = (u64)(long long)expert;
-    tl[blockIdx.x * 8 + 6] = ks;
-    tl[blockIdx.x * 8 + 7] = Kc;
-  }
-}
-struct ExitStamp {  // stamps slot 3 on every way out of the kernel
-  u64* tl;
-  __device__ ~ExitStamp() { stamp(tl, 3); }
-};
-#define TL_PARAM u64* tl,  // (the last user argument)
-#define STAMP(slot) stamp(tl, slot)
-#define MARK(e, ks, kc) mark(tl, e, ks, kc)
-#define STAMP_EXIT ExitStamp exit_stamp{tl}; stamp(tl, 0)
-#else
-#define TL_PARAM
-#define STAMP(slot)
-#define MARK(e, ks, kc)
-#define STAMP_EXIT
-#endif
+#include "moe_decode_timeline.cuh"
 
 __device__ float block_max(float v, float* red) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -265,6 +238,11 @@ __device__ void stage_rows(const u16* src, const float* src_mult, const int* row
 }
 
 #if FOLD_ACT
+#if QUEUE  // act written in the same launch (by other SMs): read through L2
+#define ACT_LOAD4 load_act4_cg
+#else
+#define ACT_LOAD4 load_act4
+#endif
 // FC2's staging from FC1's folded act (bf16 / float32 values [pair, ld]), bitwise moe_act's act16 / amult staged by
 // stage_rows: xs[c, :Kc] = f16(act[rowof[c], k0 : k0 + Kc] 2^-e(c)), mult[c] = 2^e(c) for the columns c < cnt, e
 // from the largest magnitude of the whole row of K values (so the shared expert's K splits agree on it; NaN ignored,
@@ -274,7 +252,7 @@ __device__ void stage_act(const void* act, const int* rowof, int cnt, long ld, i
   for (int i = threadIdx.x; i < cnt; i += blockDim.x) amax[i] = 0u;
   __syncthreads();
   for_pieces<float4>(
-      cnt, K / 4, [&](int c, int q) { return load_act4(act, rowof[c] * ld + 4 * q); },
+      cnt, K / 4, [&](int c, int q) { return ACT_LOAD4(act, rowof[c] * ld + 4 * q); },
       [&](int c, int, float4 v) { atomicMax(amax + c, __float_as_uint(amax4(0.f, v))); });  // (floats >= 0)
   __syncthreads();
   for (int i = threadIdx.x; i < cnt; i += blockDim.x) {
@@ -285,7 +263,7 @@ __device__ void stage_act(const void* act, const int* rowof, int cnt, long ld, i
   }
   __syncthreads();
   for_pieces<float4>(
-      cnt, Kc / 4, [&](int c, int q) { return load_act4(act, rowof[c] * ld + k0 + 4 * q); },
+      cnt, Kc / 4, [&](int c, int q) { return ACT_LOAD4(act, rowof[c] * ld + k0 + 4 * q); },
       [&](int c, int q, float4 v) {
         const float dn = __uint_as_float(amax[c]);
         *(uint2*)(xs + c * (Kc + 4) + 4 * q) = make_uint2(f32x2_to_f16x2(v.x * dn, v.y * dn),
@@ -448,6 +426,9 @@ __device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, 
 struct ActTail {
   int* counter;
   int k0, K, KS, c0, n;
+#if QUEUE
+  int* ready;  // the act-readiness counter of the chunk's expert or shared column group (wait_ready)
+#endif
 };
 
 // Set by one thread before the staging (whose barrier publishes it). A block of rows [row0, row0 + 32 WARPS) of the
@@ -455,10 +436,13 @@ struct ActTail {
 // counter (routed expert e's chunks at e CHM, the shared expert's column group grp at (E + grp) CHM; CHM =
 // max(I, S) / (32 WARPS)) expects the gate and the up block of every K split.
 __device__ __forceinline__ void put_tail(ActTail* at, const Block& b, int K, int E, int chm, int* counters, int c0,
-                                         int n) {
+                                         int n, int* ready = nullptr) {
   if (threadIdx.x == 0) {
-    const int k0 = b.row0 < K ? b.row0 : b.row0 - K;
-    at->counter = counters + (long)(b.expert >= 0 ? b.expert : E + max(b.grp, 0)) * chm + k0 / (32 * WARPS);
+    const int k0 = b.row0 < K ? b.row0 : b.row0 - K, who = b.expert >= 0 ? b.expert : E + max(b.grp, 0);
+    at->counter = counters + (long)who * chm + k0 / (32 * WARPS);
+#if QUEUE
+    at->ready = ready + who;
+#endif
     at->k0 = k0;
     at->K = K;
     at->KS = b.KS;
@@ -502,6 +486,33 @@ __device__ void act_tail(const ActTail* at, const int* pair, const int* tok, con
     case 6: act_chunk<6>(v, pair, tok, h, split, ROWS, act); break;
     default: act_chunk<8>(v, pair, tok, h, split, ROWS, act); break;
   }
+#if QUEUE  // the chunk is written: one more of its expert's chunks ready (release: the barrier orders the CTA's stores)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // (as cooperative groups' grid sync: the other threads' stores, ordered by the barrier)
+    release_add(v->ready);
+  }
+#endif
+}
+#endif
+
+#if QUEUE
+// FC2's wait for its act (moe_experts, instead of grid_wait()): thread 0 spins until every act chunk of the block's
+// expert (I / (32 WARPS)) or shared column group (S / (32 WARPS)) is ready, then counts the block as consumed; the
+// last of the group's FC2 blocks (H / (32 WARPS) routed, that times KSs shared) zeroes both counters for the next
+// launch. FC1's items hold smaller tickets than any FC2 item and wait on nothing, so the spin ends (no cooperative
+// launch needed).
+__device__ void wait_ready(const Block& b, int E, int I, int S, int H, int KSs, int* ready, int* consumed) {
+  if (threadIdx.x == 0) {
+    const int who = b.expert >= 0 ? b.expert : E + max(b.grp, 0);
+    const int chunks = (b.expert >= 0 ? I : S) / (32 * WARPS), blocks = H / (32 * WARPS) * (b.expert >= 0 ? 1 : KSs);
+    while (ld_acquire(ready + who) < chunks) __nanosleep(64);
+    if (atomicAdd(consumed + who, 1) == blocks - 1) {
+      *(volatile int*)(consumed + who) = 0;
+      *(volatile int*)(ready + who) = 0;
+    }
+  }
+  __syncthreads();
 }
 #endif
 
@@ -526,18 +537,33 @@ __device__ void prefetch_fc2(const Block* pb, int I, int S, int H, int KS2s, con
 // the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens) and stage
 // only the tokens that picked their expert. With FOLD_ACT each CTA then arrives at its act chunk's counter, the last
 // one computing the chunk (act_tail).
-extern "C" __global__ void FC1_BOUNDS
-moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E,
-        int n_slots, const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode,
-        const u8* sscale, int srows, int H, int KSr, int KSs, float* h, int P, int ROWS,
+// FC1_PARAMS / FC1_ARGS: moe_fc1's arguments (fc1_item's after the item), as declared and as passed on.
 #if FOLD_ACT
-        void* act, int* counters,
+#define FC1_FOLD_PARAMS void *act, int *counters,
+#define FC1_FOLD_ARGS , act, counters
+#else
+#define FC1_FOLD_PARAMS
+#define FC1_FOLD_ARGS
 #endif
-#if PREFETCH_FC2
-        const u8* rcode2, const u8* rscale2, const u8* scode2, const u8* sscale2, int KS2s,  // FC2's weights, split
+#if PREFETCH_FC2  // (FC2's weights, split)
+#define FC1_PF_PARAMS const u8 *rcode2, const u8 *rscale2, const u8 *scode2, const u8 *sscale2, int KS2s,
+#define FC1_PF_ARGS , rcode2, rscale2, scode2, sscale2, KS2s
+#else
+#define FC1_PF_PARAMS
+#define FC1_PF_ARGS
 #endif
-        TL_PARAM void* scratch0, void* scratch1) {
-  STAMP_EXIT;
+#define FC1_PARAMS                                                                                              \
+  const void *x, const u16 *x16, const float *xmult, int T, const long long *ids, int topk, int E, int n_slots, \
+      const u8 *rcode, const u8 *rscale, const float *rrow, int rows, const u8 *scode, const u8 *sscale,       \
+      int srows, int H, int KSr, int KSs, float *h, int P, int ROWS, FC1_FOLD_PARAMS FC1_PF_PARAMS TL_PARAM
+#define FC1_ARGS                                                                                                  \
+  x, x16, xmult, T, ids, topk, E, n_slots, rcode, rscale, rrow, rows, scode, sscale, srows, H, KSr, KSs, h, P, ROWS \
+      FC1_FOLD_ARGS FC1_PF_ARGS TL_ARG
+
+// FC1's grid item `idx` (moe_fc1: its CTA's blockIdx.x; moe_experts: a ticket). QUEUE: `ready`, the act-readiness
+// counters (act_tail).
+__device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullptr) {
+  STAMP_EXIT(idx);
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT], down[MAXT];
@@ -553,8 +579,8 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
 #endif
   const int shared_items = srows / (32 * WARPS) * KSs * SHARED_GROUPS(T);
   const int routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
-  const bool shared = (int)blockIdx.x < shared_items;
-  const int item = shared ? routed_items + blockIdx.x : blockIdx.x - shared_items;
+  const bool shared = idx < shared_items;
+  const int item = shared ? routed_items + idx : idx - shared_items;
 #if FOLD_ACT
   // FC2 follows at once and reads the routing before its grid_wait(), so it may launch only once the routing launch
   // has finished: each CTA releases it after a wait (the shared-expert items in act_tail, after their GEMV)
@@ -577,7 +603,7 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
   u16* xs = (u16*)smem;
 #if GROUPS == 1
 #if FOLD_ACT
-  put_tail(&tail, b, (b.expert >= 0 ? rows : srows) / 2, E, chm, counters, 0, cnt);
+  put_tail(&tail, b, (b.expert >= 0 ? rows : srows) / 2, E, chm, counters, 0, cnt, ready);
 #endif
 #if PREFETCH_FC2
   if (threadIdx.x == 0) pfb = b;  // (the staging's barrier publishes it)
@@ -637,26 +663,42 @@ moe_fc1(const void* x, const u16* x16, const float* xmult, int T, const long lon
 #endif
 }
 
+extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS void* scratch0, void* scratch1) { fc1_item(blockIdx.x, FC1_ARGS); }
+
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs; FOLD_ACT:
 // act staged by stage_act). Before
 // grid_wait(): its expert, tokens and the L2 prefetch (the routing finished before FC1 passed its wait); with EARLY
 // the first super-chunk's weight loads come before the staging, which waits first (it reads act16; ptxas hoists
 // the wait above the routed path's loads, so only the shared expert's are issued before it).
-extern "C" __global__ void FC_BOUNDS
-moe_fc2(
+// FC2_PARAMS / FC2_ARGS: moe_fc2's arguments (fc2_item's after the item). FOLD_ACT: act, FC1's folded act values
+// (bf16 / float32 as the tokens), unscaled; FOLD_COMBINE: out, the op's output, and done, a counter per row block
+// (left at zero).
 #if FOLD_ACT
-        const void* act,  // FC1's folded act values (bf16 / float32 as the tokens), unscaled
+#define FC2_ACT_PARAMS const void *act,
+#define FC2_ACT_ARGS act
 #else
-        const u16* act16, const float* amult,
+#define FC2_ACT_PARAMS const u16 *act16, const float *amult,
+#define FC2_ACT_ARGS act16, amult
 #endif
-        int T, const long long* ids, const float* wts, int topk, int E,
-        int n_slots, const u8* rcode, const u8* rscale, const float* rrow, const u8* scode, const u8* sscale, int I,
-        int S, int H, int KSs, int P, int ROWS, float* y,
 #if FOLD_COMBINE
-        void* out, int* done,  // the op's output; a counter per row block, left at zero
+#define FC2_FOLD_PARAMS void *out, int *done,
+#define FC2_FOLD_ARGS , out, done
+#else
+#define FC2_FOLD_PARAMS
+#define FC2_FOLD_ARGS
 #endif
-        TL_PARAM void* scratch0, void* scratch1) {
-  STAMP_EXIT;
+#define FC2_PARAMS                                                                                              \
+  FC2_ACT_PARAMS int T, const long long *ids, const float *wts, int topk, int E, int n_slots, const u8 *rcode, \
+      const u8 *rscale, const float *rrow, const u8 *scode, const u8 *sscale, int I, int S, int H, int KSs,    \
+      int P, int ROWS, float *y, FC2_FOLD_PARAMS TL_PARAM
+#define FC2_ARGS                                                                                               \
+  FC2_ACT_ARGS, T, ids, wts, topk, E, n_slots, rcode, rscale, rrow, scode, sscale, I, S, H, KSs, P, ROWS, y \
+      FC2_FOLD_ARGS TL_ARG
+
+// FC2's grid item `idx` (moe_fc2: its CTA's blockIdx.x; moe_experts: a ticket less FC1's items). QUEUE: `ready` /
+// `consumed`, the act-readiness counters it waits on (wait_ready) instead of grid_wait().
+__device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullptr, int* consumed = nullptr) {
+  STAMP_EXIT(idx);
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT];
@@ -678,7 +720,7 @@ moe_fc2(
 #endif
   };
   Block b;
-  const bool found = find_block(b, blockIdx.x, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags);
+  const bool found = find_block(b, idx, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags);
   MARK(b.expert, b.ks, (b.expert >= 0 ? I : S) / b.KS);
 #if FOLD_COMBINE
   if (threadIdx.x == 0) row0 = b.row0;
@@ -698,8 +740,12 @@ moe_fc2(
 #if GROUPS == 1
   staged(
       [&] {
+#if QUEUE
+        wait_ready(b, E, I, S, H, KSs, ready, consumed);
+#else
         grid_wait();
         grid_launch_dependents();
+#endif
         stage_cols(rowof, cnt, K, b.ks * Kc, Kc);
       },
       [&](const auto& stage) {
@@ -727,6 +773,8 @@ moe_fc2(
 #endif
 }
 
+extern "C" __global__ void FC_BOUNDS moe_fc2(FC2_PARAMS void* scratch0, void* scratch1) { fc2_item(blockIdx.x, FC2_ARGS); }
+
 // out[n, :] = combine_at over every column, a CTA row per token (the launch FOLD_COMBINE folds into FC2).
 extern "C" __global__ void __launch_bounds__(256)
 moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KSs, int P, int H, void* out,
@@ -738,3 +786,7 @@ moe_combine(const float* y, const long long* ids, int E, int T, int topk, int KS
   for (int c = blockIdx.x * 256 + threadIdx.x; c < H; c += gridDim.x * 256)
     combine_at(y, valid, n, c, T, topk, KSs, P, H, out);
 }
+
+#if QUEUE
+#include "moe_decode_queue.cuh"
+#endif

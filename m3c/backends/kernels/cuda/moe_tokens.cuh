@@ -12,6 +12,17 @@ __device__ __forceinline__ float load_act(const void* x, long i) {
 #endif
 }
 
+// load_act4 through L2 (ld.global.cg: values another SM wrote in the same launch).
+__device__ __forceinline__ float4 load_act4_cg(const void* x, long i) {
+#if ACT_BF16
+  const uint2 v = __ldcg((const uint2*)((const u16*)x + i));
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xFFFF0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xFFFF0000u));
+#else
+  return __ldcg((const float4*)((const float*)x + i));
+#endif
+}
+
 // Four consecutive token values x[i .. i + 3] (i % 4 == 0) as floats.
 __device__ __forceinline__ float4 load_act4(const void* x, long i) {
 #if ACT_BF16

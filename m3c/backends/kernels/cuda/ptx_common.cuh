@@ -22,6 +22,16 @@ __device__ __forceinline__ int arrive(int* counter) {  // atomicAdd(counter, 1),
   return old;
 }
 
+__device__ __forceinline__ int ld_acquire(const int* p) {  // a load ordered before the thread's later ones (GPU scope)
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void release_add(int* p) {  // *p += 1 after the thread's earlier stores (GPU scope)
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
+}
+
 // Whether this CTA is the last of `expect` to arrive at *counter (the same answer in every thread; every thread must
 // call it): a barrier, then one thread's acq_rel atomic (release: cumulative over the CTA's stores the barrier
 // ordered before it; acquire: the other CTAs' stores before the last CTA's loads, which must read L2: ld.cg). The
