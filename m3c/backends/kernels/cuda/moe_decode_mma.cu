@@ -726,7 +726,9 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
   if (threadIdx.x == 0) row0 = b.row0;
   if (!found && b.expert == -2) {  // an unused routed slot arrives too (what it adds: nothing)
     grid_wait();
-    combine();
+    // b.row0, not row0: no barrier yet orders thread 0's store before the other warps read it (they read a stale
+    // block, which the last arriver would then combine in place of its own)
+    combine_tail(b.row0, y, ids, E, T, topk, n_slots, KSs, S, P, H, out, done, &is_last);
   }
 #endif
   if (!found) return;
