@@ -690,7 +690,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         _launch_queue(specs["moe_experts"], runner, grid1, grid2, [
             xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s, hidden, ks1, ks1s,
             h, pairs, rows_ws, act_v, counters, wts, c2[0], c2[1], g2, sc2, ss2, inter, s, ks2s, y, out, done,
-            persistent(queue_key, lambda: torch.zeros(1 + 2 * (e + MAX_TOKENS // 8), dtype=torch.int32, device=dev)),
+            persistent(queue_key, lambda: torch.zeros(queue_ints(e), dtype=torch.int32, device=dev)),
             grid1, grid2, *([tl] if timeline else [])])
         return out
     runner(specs["moe_fc1"], (grid1,), [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i,
@@ -709,13 +709,19 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     return out
 
 
+def queue_ints(experts: int) -> int:
+    """Ints of ``moe_experts``' counters (:data:`QUEUE`): the ticket counter, then the act readiness and the FC2
+    consumption counters of each expert and the shared expert, each array starting on its own 128-byte line."""
+    return 32 + 2 * (-(-(experts + 1) // 32) * 32)
+
+
 def _launch_queue(spec: CudaKernelSpec, runner: Runner, n1: int, n2: int, args: list) -> None:
     """Launch ``moe_experts`` (:data:`QUEUE`, `args` its arguments) over FC1's n1 and FC2's n2 items: as many CTAs
     as are resident at once on :data:`SMS` SMs (the NT = 1 launch bounds' 16 warps an SM, and shared memory), fewer
     if there are fewer items; the ticket counter, not the grid, hands out the items, so a part with fewer SMs only
     runs them in a different order."""
     resident = SMS * min(16 // WARPS, SM_SHARED_BYTES // (spec.shared_bytes + _STATIC_SMEM_QUEUE + 1024))
-    runner(spec, (min(n1 + n2, resident),), args)
+    runner(spec, (max(1, min(n1 + n2, resident)),), args)
 
 
 class CaptureError(M3CError, RuntimeError):

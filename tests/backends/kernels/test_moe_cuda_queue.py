@@ -44,8 +44,9 @@ def test_one_launch_where_the_call_folds(t: int, layout: tuple, monkeypatch: pyt
     for mine, theirs in (("rcode2", "rcode"), ("rscale2", "rscale"), ("rrow2", "rrow"), ("scode2", "scode"),
                          ("wts", "wts"), ("I", "I"), ("S", "S"), ("KS2s", "KSs"), ("done", "done")):
         assert _same(args[mine], a2[theirs]), mine
-    e = args["E"]
-    assert args["queue"].dtype == torch.int32 and args["queue"].numel() >= 1 + 2 * (e + 1)
+    e = args["E"]  # the kernel's layout: tickets, ready at 32, consumed at the next 32-int line after E + 1
+    assert args["queue"].dtype == torch.int32 and args["queue"].numel() == moe_cuda.queue_ints(e)
+    assert moe_cuda.queue_ints(e) >= 32 + -(-(e + 1) // 32) * 32 + e + 1
 
 
 def _same(a, b) -> bool:
@@ -165,13 +166,18 @@ def test_queue_build_in_sass() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 3, 8])
-def test_queue_is_bitwise_the_two_launch_fold_gpu(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """m3.1-small with the folds forced at every T: QUEUE changes nothing in MegaMoE's output, eagerly and replayed
-    from a CUDA graph (whose counters must be left at zero for the replay to finish and match)."""
-    from test_moe_cuda import _bitwise_the_default
+@pytest.mark.parametrize("t, forced", [(1, False), (1, True), (3, True), (8, True)])
+def test_queue_is_bitwise_the_two_launch_fold_gpu(t: int, forced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """m3.1-small: QUEUE changes nothing in MegaMoE's output, eagerly and replayed from a CUDA graph, and leaves its
+    counters at zero (a leftover ticket would skip items and hang the next call). Unforced (T = 1 folds by itself):
+    the grid of the CTAs resident at once, which loop over tickets; forced (the folds at every T, every grid one
+    wave): a CTA per item, more than are resident."""
+    from test_moe_cuda import _bitwise_the_default, _case
 
-    monkeypatch.setattr(moe_cuda, "SMS", 1 << 30)
+    from m3c.backends.kernels.host import persistent
+
+    if forced:
+        monkeypatch.setattr(moe_cuda, "SMS", 1 << 30)
 
     def knob(on: bool) -> None:
         monkeypatch.setattr(moe_cuda, "QUEUE", on)
@@ -179,3 +185,11 @@ def test_queue_is_bitwise_the_two_launch_fold_gpu(t: int, monkeypatch: pytest.Mo
                                                         *moe_cuda.call_build(t, *SMALL))]
         assert ("moe_experts" in kernels) == on
     _bitwise_the_default(t, knob)
+    monkeypatch.setattr(moe_cuda, "QUEUE", True)
+    _, mm, x, _, _ = _case(t, *SMALL[:4], "mxfp8", torch.bfloat16)
+    first = mm(x)
+    for _ in range(3):  # repeated calls: each finds the counters at zero, or hangs / skips items
+        assert torch.equal(mm(x), first)
+    torch.cuda.synchronize()
+    queue = persistent(("moe_experts queue", str(x.device), SMALL[2]), lambda: None)
+    assert queue is not None and int(queue.abs().sum()) == 0

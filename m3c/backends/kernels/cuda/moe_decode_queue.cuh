@@ -24,8 +24,10 @@ moe_experts(const void* x, const u16* x16, const float* xmult, int T, const long
             const u8* sscale2, int I, int S, int KS2s, float* y, void* out, int* done, int* queue, int n1, int n2,
             TL_PARAM void* scratch0, void* scratch1) {
   __shared__ int ticket;
-  int* ready = queue + 1;  // [E + column groups] act chunks ready, then as many FC2 blocks consumed
-  int* consumed = ready + E + (TMAX + MAXT - 1) / MAXT;
+  // queue[0]: the ticket counter; ready [E + 1]: act chunks ready, consumed [E + 1]: FC2 blocks past their wait; each
+  // 128 bytes (32 ints) after the previous, so the spinning loads do not share a line with the tickets' atomics
+  int* ready = queue + 32;
+  int* consumed = ready + ((E + 1 + 31) & ~31);
   const int shared2 = S > 0 ? H / (32 * WARPS) * KS2s * SHARED_GROUPS(T) : 0, routed2 = n2 - shared2;
   for (;;) {
     if (threadIdx.x == 0) ticket = atomicAdd(queue, 1);
