@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from m3c.backends.cuda_aot import compile_cuda, disassemble
+from m3c.backends.cuda_aot import compile_cuda, cuobjdump, disassemble
 from m3c.backends.kernels import moe_cuda
 from m3c.errors import ShapeError
 from m3c.model_defs.layers import route
@@ -316,22 +316,6 @@ def test_route_stage_launch_args_on_meta() -> None:
     assert args[names.index("counter")] is args2[names.index("counter")]
 
 
-def _res_usage(cubin: bytes) -> str:
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip("no cuobjdump in Triton's wheel")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
-
-
 @pytest.mark.parametrize("h,e,act,nt", [(6144, 64, "bf16", 1), (6144, 64, "bf16", 2), (6144, 64, "fp32", 2),
                                          (6144, 256, "bf16", 1), (6144, 256, "bf16", 2), (6144, 64, "bf16", 8),
                                          (6144, 256, "fp32", 8)])
@@ -345,7 +329,7 @@ def test_route_kernel_compiles_for_sm90a(h: int, e: int, act: str, nt: int) -> N
     assert "LDG.E.NA.128" in sass  # the gate streamed in 16-byte loads
     # no local arrays; at most one register parked on the stack around the IEEE division's subroutine calls
     assert sass.count("STL") <= 1, sass.count("STL")
-    res = _res_usage(ck.binary)
+    res = cuobjdump(ck.binary, "-res-usage")
     assert "LOCAL:0" in res, res
 
 
