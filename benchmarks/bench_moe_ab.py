@@ -45,6 +45,13 @@ def point(tag: str, t: int, moe, mm: MegaMoE, gen: torch.Generator) -> dict:
     return row
 
 
+def set_knobs(knobs: list[str]) -> None:
+    """Set moe_cuda's int / bool knobs from NAME=INT strings (an unknown name raises AttributeError)."""
+    for kv in knobs:
+        name, value = kv.split("=")
+        setattr(moe_cuda, name, type(getattr(moe_cuda, name))(int(value)))
+
+
 def summarize(path: str) -> None:
     """One line per (T, tag) of a JSON-lines file of runs: each run's whole op / experts µs in file order, the
     output hashes (one hash across every tag of a T: the settings are bitwise the same) and the error."""
@@ -78,10 +85,7 @@ def main() -> None:
         return
     if not args.tag:
         ap.error("--tag is required to time")
-    for kv in args.knob:
-        name, value = kv.split("=")
-        old = getattr(moe_cuda, name)  # (an unknown name fails here)
-        setattr(moe_cuda, name, type(old)(int(value)))
+    set_knobs(args.knob)
     for kv in args.pdl:
         nt, names = kv.split("=")
         kernels = tuple(k for k in names.split(",") if k)

@@ -21,7 +21,7 @@ import itertools
 
 import torch
 from _timing import bench_graph, write_results
-from bench_moe_ab import INTER, E, H, K
+from bench_moe_ab import INTER, E, H, K, set_knobs
 
 from m3c.backends.kernels import moe_cuda
 from m3c.fused.moe import MegaMoE, random_moe
@@ -142,9 +142,7 @@ def main() -> None:
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=INT",
                     help="set moe_cuda.NAME (an int or bool knob, e.g. QUEUE=1) for both builds")
     args = ap.parse_args()
-    for kv in args.knob:
-        name, value = kv.split("=")
-        setattr(moe_cuda, name, type(getattr(moe_cuda, name))(int(value)))  # (an unknown name fails here)
+    set_knobs(args.knob)
     gen = torch.Generator(device="cuda").manual_seed(0)
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)

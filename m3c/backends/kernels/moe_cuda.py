@@ -321,9 +321,14 @@ def one_wave(tokens: int, hidden: int, inter: int, shared_inter: int) -> tuple[i
     nt = _nt(tokens)
 
     def fits(kernel: str, dynamic: int) -> int:
-        warps = 16 if nt == 1 else 8 if kernel == "moe_fc2" and NATURAL else 12
-        return SMS * min(warps // WARPS, SM_SHARED_BYTES // (dynamic + _STATIC_SMEM + 1024))
+        return _resident(16 if nt == 1 else 8 if kernel == "moe_fc2" and NATURAL else 12, dynamic + _STATIC_SMEM)
     return fits("moe_fc1", _fc1_smem(hidden, shared_inter, nt)), fits("moe_fc2", _fc2_smem(inter, shared_inter, nt))
+
+
+def _resident(warps: int, smem: int) -> int:
+    """CTAs of :data:`WARPS` warps resident at once on :data:`SMS` SMs when the registers allow `warps` warps an SM
+    and each CTA takes `smem` bytes of shared memory (dynamic + static; the SM keeps 1 KB more a CTA)."""
+    return SMS * min(warps // WARPS, SM_SHARED_BYTES // (smem + 1024))
 
 
 def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
@@ -686,18 +691,16 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     tl1, tl2 = ([v] for v in last_timeline) if timeline else ([], [])
     done = persistent(done_key, lambda: torch.zeros(hidden // rows, dtype=torch.int32, device=dev)) \
         if fold_combine else None  # a counter per FC2 row block
+    fc1_args = [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s, hidden, ks1,
+                ks1s, h, pairs, rows_ws, *((act_v, counters) if fold else ())]  # (moe_experts' first arguments too)
     if queue:
         _launch_queue(specs["moe_experts"], runner, grid1, grid2, [
-            xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i, sc13, ss13, 2 * s, hidden, ks1, ks1s,
-            h, pairs, rows_ws, act_v, counters, wts, c2[0], c2[1], g2, sc2, ss2, inter, s, ks2s, y, out, done,
+            *fc1_args, wts, c2[0], c2[1], g2, sc2, ss2, inter, s, ks2s, y, out, done,
             persistent(queue_key, lambda: torch.zeros(queue_ints(e), dtype=torch.int32, device=dev)),
             grid1, grid2, *([tl] if timeline else [])])
         return out
-    runner(specs["moe_fc1"], (grid1,), [xa, x16, xmult, t, ids, top_k, e, n_slots, c13[0], c13[1], g13, two_i,
-                                        sc13, ss13, 2 * s, hidden, ks1, ks1s, h, pairs, rows_ws,
-                                        *((act_v, counters) if fold else ()),
-                                        *((c2[0], c2[1], sc2, ss2, ks2s) if "PREFETCH_FC2" in dict(specs["moe_fc1"].defines)
-                                          else ()), *tl1])
+    prefetch = "PREFETCH_FC2" in dict(specs["moe_fc1"].defines)
+    runner(specs["moe_fc1"], (grid1,), [*fc1_args, *((c2[0], c2[1], sc2, ss2, ks2s) if prefetch else ()), *tl1])
     if not fold:
         runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     runner(specs["moe_fc2"], (grid2,), [*((act_v,) if fold else (act16, amult)), t, ids, wts, top_k, e, n_slots,
@@ -720,8 +723,7 @@ def _launch_queue(spec: CudaKernelSpec, runner: Runner, n1: int, n2: int, args: 
     as are resident at once on :data:`SMS` SMs (the NT = 1 launch bounds' 16 warps an SM, and shared memory), fewer
     if there are fewer items; the ticket counter, not the grid, hands out the items, so a part with fewer SMs only
     runs them in a different order."""
-    resident = SMS * min(16 // WARPS, SM_SHARED_BYTES // (spec.shared_bytes + _STATIC_SMEM_QUEUE + 1024))
-    runner(spec, (max(1, min(n1 + n2, resident)),), args)
+    runner(spec, (max(1, min(n1 + n2, _resident(16, spec.shared_bytes + _STATIC_SMEM_QUEUE))),), args)
 
 
 class CaptureError(M3CError, RuntimeError):

@@ -58,6 +58,18 @@ __device__ bool find_block(Block& b, int item, const long long* ids, int T, int 
   return b.expert >= 0;
 }
 
+// Grid position `idx` -> the find_block item, where the shared expert's `shared` items run first though find_block
+// numbers them after the `routed` ones (FC1's grid; moe_experts' FC2 tickets).
+__device__ __forceinline__ int shared_first(int idx, int shared, int routed) {
+  return idx < shared ? routed + idx : idx - shared;
+}
+
+// A block's row of the per-expert counters (FOLD_ACT's act chunks, QUEUE's readiness): its routed expert, or E + its
+// shared column group.
+__device__ __forceinline__ int counter_row(const Block& b, int E) {
+  return b.expert >= 0 ? b.expert : E + max(b.grp, 0);
+}
+
 // The tokens this block works on, compacted: pair[n] = the row of h / y of token n (routed: n * topk + slot or -1;
 // shared: T * topk + n), tok[c] = the c-th token with a pair (in token order), *cnt their number. The MMA's columns
 // are c < cnt, so a routed expert that 3 of 16 tokens picked runs one 8-column tile and stages 3 rows, not 16.

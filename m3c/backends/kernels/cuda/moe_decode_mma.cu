@@ -438,7 +438,7 @@ struct ActTail {
 __device__ __forceinline__ void put_tail(ActTail* at, const Block& b, int K, int E, int chm, int* counters, int c0,
                                          int n, int* ready = nullptr) {
   if (threadIdx.x == 0) {
-    const int k0 = b.row0 < K ? b.row0 : b.row0 - K, who = b.expert >= 0 ? b.expert : E + max(b.grp, 0);
+    const int k0 = b.row0 < K ? b.row0 : b.row0 - K, who = counter_row(b, E);
     at->counter = counters + (long)who * chm + k0 / (32 * WARPS);
 #if QUEUE
     at->ready = ready + who;
@@ -504,7 +504,7 @@ __device__ void act_tail(const ActTail* at, const int* pair, const int* tok, con
 // launch needed).
 __device__ void wait_ready(const Block& b, int E, int I, int S, int H, int KSs, int* ready, int* consumed) {
   if (threadIdx.x == 0) {
-    const int who = b.expert >= 0 ? b.expert : E + max(b.grp, 0);
+    const int who = counter_row(b, E);
     const int chunks = (b.expert >= 0 ? I : S) / (32 * WARPS), blocks = H / (32 * WARPS) * (b.expert >= 0 ? 1 : KSs);
     while (ld_acquire(ready + who) < chunks) __nanosleep(64);
     if (atomicAdd(consumed + who, 1) == blocks - 1) {
@@ -580,7 +580,7 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
   const int shared_items = srows / (32 * WARPS) * KSs * SHARED_GROUPS(T);
   const int routed_items = n_slots * (rows / (32 * WARPS)) * KSr;
   const bool shared = idx < shared_items;
-  const int item = shared ? routed_items + idx : idx - shared_items;
+  const int item = shared_first(idx, shared_items, routed_items);
 #if FOLD_ACT
   // FC2 follows at once and reads the routing before its grid_wait(), so it may launch only once the routing launch
   // has finished: each CTA releases it after a wait (the shared-expert items in act_tail, after their GEMV)

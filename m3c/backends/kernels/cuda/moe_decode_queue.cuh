@@ -42,9 +42,8 @@ moe_experts(const void* x, const u16* x16, const float* xmult, int T, const long
       fc1_item(t, x, x16, xmult, T, ids, topk, E, n_slots, rcode, rscale, rrow, rows, scode, sscale, srows, H, KSr,
                KSs, h, P, ROWS, act, counters TL_ARG, ready);
     } else {
-      const int j = t - n1, item = j < shared2 ? routed2 + j : j - shared2;  // FC2's shared items first
-      fc2_item(item, act, T, ids, wts, topk, E, n_slots, rcode2, rscale2, rrow2, scode2, sscale2, I, S, H, KS2s, P,
-               ROWS, y, out, done TL_ARG2, ready, consumed);
+      fc2_item(shared_first(t - n1, shared2, routed2), act, T, ids, wts, topk, E, n_slots, rcode2, rscale2, rrow2,
+               scode2, sscale2, I, S, H, KS2s, P, ROWS, y, out, done TL_ARG2, ready, consumed);
     }
   }
 }
