@@ -32,6 +32,12 @@ def _launches(t: int, hidden: int, inter: int, experts: int, top_k: int, shared:
     return seen
 
 
+def _shared_first(idx: int, shared: int, routed: int) -> int:
+    """Grid position -> find_block item where the shared expert's items run first (moe_decode_items.cuh's
+    shared_first: FC1's grid, moe_experts' FC2 tickets)."""
+    return routed + idx if idx < shared else idx - shared
+
+
 def _find_block(item: int, ids: np.ndarray, t: int, e: int, n_slots: int, rows: int, srows: int, ksr: int,
                 kss: int, maxt: int, groups_max: int, cta_rows: int) -> tuple[int, int, int, int] | None:
     """(expert or -1, row0, ks, grp or -1) of a work item, or None for an unused slot (find_block); a CTA covers
@@ -77,7 +83,7 @@ def _coverage(kernel: str, launch: tuple, ids: np.ndarray, t: int, top_k: int) -
     shared_items = srows // cta_rows * kss * groups if fc1 else 0  # FC1: the shared items first in the grid
     routed_items = n_slots * (rows // cta_rows) * ksr
     for block in range(grid[0]):
-        item = (routed_items + block if block < shared_items else block - shared_items) if fc1 else block
+        item = _shared_first(block, shared_items, routed_items) if fc1 else block
         found = _find_block(item, ids, t, e, n_slots, rows, srows, ksr, kss, maxt, groups_max, cta_rows)
         if found is None:
             continue
@@ -194,7 +200,7 @@ def test_folded_act_counters_see_every_partial_and_act_is_written_once(t: int, h
     routed_items = a["n_slots"] * (rows // cta_rows) * ksr
     arrivals: dict[int, list] = {}
     for block in range(grid[0]):
-        item = routed_items + block if block < shared_items else block - shared_items
+        item = _shared_first(block, shared_items, routed_items)
         found = _find_block(item, ids, t, e, a["n_slots"], rows, srows, ksr, kss, maxt, groups_max, cta_rows)
         if found is None:
             continue

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_cuda_grid_twin import _find_block, _launches
+from test_moe_cuda_grid_twin import _find_block, _launches, _shared_first
 
 from m3c.backends.kernels import moe_cuda
 from m3c.fused.moe import hot_routing
@@ -115,7 +115,7 @@ def test_fc1_prefetches_the_first_superchunks_of_every_fc2_item(t: int, hot: int
     routed_items = a1["n_slots"] * (rows // cta) * ksr
     got = {"r": (set(), set()), "s": (set(), set())}
     for block in range(grid1[0]):
-        item = routed_items + block if block < shared_items else block - shared_items
+        item = _shared_first(block, shared_items, routed_items)
         found = _find_block(item, ids, t, e, a1["n_slots"], rows, srows, ksr, kss, maxt, 1, cta)
         if found is not None:
             expert, row0, ks, _ = found

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_moe_cuda_grid_twin import _find_block, _launches
+from test_moe_cuda_grid_twin import _find_block, _launches, _shared_first
 
 from m3c.backends.kernels import moe_cuda
 
@@ -65,7 +65,7 @@ def _items(t: int, ids: np.ndarray, hidden: int, inter: int, e: int, top_k: int,
     shared1 = 2 * shared // cta * ks1s
     routed1 = n_slots * (2 * inter // cta) * ks1
     for idx in range(shared1 + routed1):
-        item = routed1 + idx if idx < shared1 else idx - shared1
+        item = _shared_first(idx, shared1, routed1)
         found = _find_block(item, ids, t, e, n_slots, 2 * inter, 2 * shared, ks1, ks1s, 8, 1, cta)
         if found is None:
             fc1.append(None)
@@ -76,7 +76,7 @@ def _items(t: int, ids: np.ndarray, hidden: int, inter: int, e: int, top_k: int,
     shared2 = hidden // cta * ks2s if shared else 0
     routed2 = n_slots * hidden // cta
     for j in range(shared2 + routed2):
-        item = routed2 + j if j < shared2 else j - shared2
+        item = _shared_first(j, shared2, routed2)
         found = _find_block(item, ids, t, e, n_slots, hidden, hidden if shared else 0, 1, ks2s, 8, 1, cta)
         fc2.append(None if found is None else (found[0] if found[0] >= 0 else e))
     return fc1, fc2
