@@ -76,18 +76,23 @@ decode() {  # MegaMoE's decode: its GPU tests against the reference, then issue 
   tail -2 "$OUT/t_moe_decode.log"; grep -v '^{' "$OUT/moe_decode.txt" | tail -8
 }
 
+ab() {  # ab NAME REPS TOKENS LIMIT TAG=ARGS...: a same-run A/B of bench_moe_ab.py, each setting (its --tag TAG, then
+  # ARGS split into words, e.g. "pf1=--knob PREFETCH_FC2=1") once a round, REPS rounds, each run under LIMIT seconds,
+  # into $OUT/NAME.jsonl; then its table
+  local name=$1 reps=$2 tokens=$3 limit=$4 rep setting; shift 4
+  for rep in $(seq "$reps"); do
+    for setting in "$@"; do
+      # shellcheck disable=SC2086  # (the setting's arguments are meant to split)
+      timeout "$limit" python benchmarks/bench_moe_ab.py --tag "${setting%%=*}" --tokens "$tokens" ${setting#*=} \
+        >> "$OUT/$name.jsonl" 2>> "$OUT/$name.err"
+    done
+  done; mark "$name"
+  python benchmarks/bench_moe_ab.py --summarize "$OUT/$name.jsonl"
+}
+
 folds() {  # the act / combine folds: a same-run A/B (none vs the default choice, FOLD_REPS alternations), their GPU
   # tests (at every T: forced), the rest of the decode's GPU tests and the routing kernel's (its arrival is shared)
-  local rep tag
-  for rep in $(seq "${FOLD_REPS:-2}"); do
-    for tag in none default; do
-      local knobs=()
-      [ "$tag" = none ] && knobs=(--knob FOLD_ACT=0 --knob FOLD_COMBINE=0)
-      timeout 100 python benchmarks/bench_moe_ab.py --tag "$tag" --tokens "${FOLD_TOKENS:-1,4,16,64}" "${knobs[@]}" \
-        >> "$OUT/folds_ab.jsonl" 2>> "$OUT/folds_ab.err"
-    done
-  done; mark folds_ab
-  python benchmarks/bench_moe_ab.py --summarize "$OUT/folds_ab.jsonl"
+  ab folds_ab "${FOLD_REPS:-2}" "${FOLD_TOKENS:-1,4,16,64}" 100 "none=--knob FOLD_ACT=0 --knob FOLD_COMBINE=0" "default="
   timeout 300 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda.py \
     tests/backends/kernels/test_moe_cuda_route.py -k "not test_route_stage_matches_fused_route_and_reference" \
     > "$OUT/t_folds.log" 2>&1; mark fold_tests
@@ -96,14 +101,8 @@ folds() {  # the act / combine folds: a same-run A/B (none vs the default choice
 
 prefetch() {  # PREFETCH_FC2 (FC1 asks L2 for FC2's first super-chunks where the call folds): a same-run A/B of
   # n = 0 (off), 1, 2, 3 at T = 1 (folded) and 2 (not folded: the same build, a control), then its GPU tests
-  local rep n
-  for rep in $(seq "${PF_REPS:-3}"); do
-    for n in 0 1 2 3; do
-      timeout 60 python benchmarks/bench_moe_ab.py --tag "pf$n" --tokens "${PF_TOKENS:-1,2}" --knob "PREFETCH_FC2=$n" \
-        >> "$OUT/prefetch_ab.jsonl" 2>> "$OUT/prefetch_ab.err"
-    done
-  done; mark prefetch_ab
-  python benchmarks/bench_moe_ab.py --summarize "$OUT/prefetch_ab.jsonl"
+  ab prefetch_ab "${PF_REPS:-3}" "${PF_TOKENS:-1,2}" 60 "pf0=--knob PREFETCH_FC2=0" "pf1=--knob PREFETCH_FC2=1" \
+    "pf2=--knob PREFETCH_FC2=2" "pf3=--knob PREFETCH_FC2=3"
   timeout 200 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda_prefetch.py \
     > "$OUT/t_prefetch.log" 2>&1; mark prefetch_tests
   tail -3 "$OUT/t_prefetch.log"
@@ -121,14 +120,7 @@ queue() {  # moe_cuda.QUEUE where the call folds: its GPU tests first (a deadloc
     > "$OUT/t_queue.log" 2>&1
   local rc=$?; mark queue_tests; tail -3 "$OUT/t_queue.log"
   [ "$rc" -ne 0 ] && { echo "queue: GPU tests rc=$rc, no timing"; return; }
-  local rep q
-  for rep in $(seq "${QUEUE_REPS:-3}"); do
-    for q in 0 1; do
-      timeout 60 python benchmarks/bench_moe_ab.py --tag "queue$q" --tokens "${QUEUE_TOKENS:-1}" --knob "QUEUE=$q" \
-        >> "$OUT/queue_ab.jsonl" 2>> "$OUT/queue_ab.err"
-    done
-  done; mark queue_ab
-  python benchmarks/bench_moe_ab.py --summarize "$OUT/queue_ab.jsonl"
+  ab queue_ab "${QUEUE_REPS:-3}" "${QUEUE_TOKENS:-1}" 60 "queue0=--knob QUEUE=0" "queue1=--knob QUEUE=1"
   timeout 120 python benchmarks/bench_moe_cta_timeline.py --tokens 1 --knob QUEUE=1 > "$OUT/cta_timeline_queue.txt" 2>&1
   mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
 }
