@@ -149,9 +149,9 @@ def test_twin_of_the_ticket_protocol(t: int, layout: tuple, resident: int) -> No
 
 
 def test_queue_build_in_sass() -> None:
-    """Offline sm_90a: moe_experts draws tickets and signals readiness with global atomics, spins with an acquire
-    load and a sleep, fits 128 registers, and spills at most 128 bytes a thread (the two item kinds inlined into one
-    body; the plain FC1 / FC2 of the same build are unchanged by it)."""
+    """Offline sm_90a: moe_experts draws tickets and signals readiness with global atomics, spins with a relaxed
+    load and a sleep (no L1 invalidation a turn: it slowed the SM's weight streams), then fences, fits 128 registers,
+    and spills at most 128 bytes a thread (the two item kinds inlined into one body)."""
     import re
 
     from m3c.backends.cuda_aot import compile_cuda, cuobjdump
@@ -161,6 +161,9 @@ def test_queue_build_in_sass() -> None:
     kernel = compile_cuda(specs[1], keep_sass=True)
     body = kernel.stages["sass"].split("Function : moe_experts")[1].split("Function : ")[0]
     assert "NANOSLEEP" in body and "ATOMG" in body and "RED" in body and ".STRONG.GPU" in body
+    # the spin (from its sleep to its branch back) loads without invalidating L1: no CCTL.IVALL round the loop
+    spin = re.search(r"NANOSLEEP.*?BRA", body, re.S)
+    assert spin and "LDG.E.STRONG.GPU" in spin.group(0) and "CCTL" not in spin.group(0), spin
     usage = re.search(r"Function moe_experts:\s*REG:(\d+) STACK:(\d+)", cuobjdump(kernel.binary, "-res-usage"))
     assert usage and int(usage.group(1)) <= 128 and int(usage.group(2)) <= 128, usage
 

@@ -506,7 +506,8 @@ __device__ void wait_ready(const Block& b, int E, int I, int S, int H, int KSs, 
   if (threadIdx.x == 0) {
     const int who = counter_row(b, E);
     const int chunks = (b.expert >= 0 ? I : S) / (32 * WARPS), blocks = H / (32 * WARPS) * (b.expert >= 0 ? 1 : KSs);
-    while (ld_acquire(ready + who) < chunks) __nanosleep(64);
+    while (ld_relaxed(ready + who) < chunks) __nanosleep(64);
+    fence_acquire();
     if (atomicAdd(consumed + who, 1) == blocks - 1) {
       *(volatile int*)(consumed + who) = 0;
       *(volatile int*)(ready + who) = 0;

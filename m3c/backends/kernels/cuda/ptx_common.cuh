@@ -22,11 +22,16 @@ __device__ __forceinline__ int arrive(int* counter) {  // atomicAdd(counter, 1),
   return old;
 }
 
-__device__ __forceinline__ int ld_acquire(const int* p) {  // a load ordered before the thread's later ones (GPU scope)
+// A spin's load (GPU scope, relaxed): no L1 invalidation, unlike ld.acquire, whose CCTL.IVALL each time round a
+// spin slowed the SM's other CTAs' weight streams (benchmarks/RESULTS.md session 34). End the spin with fence_acquire.
+__device__ __forceinline__ int ld_relaxed(const int* p) {
   int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+
+// After a relaxed load saw a release: orders the thread's later loads after it (the fence form of an acquire).
+__device__ __forceinline__ void fence_acquire() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 __device__ __forceinline__ void release_add(int* p) {  // *p += 1 after the thread's earlier stores (GPU scope)
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
