@@ -12,6 +12,7 @@
 #   bash benchmarks/device_check.sh prefetch     # PREFETCH_FC2 0 / 1 / 2 / 3: a same-run A/B at T = 1, 2, its GPU tests
 #   bash benchmarks/device_check.sh timeline     # the decode CTA by CTA (moe_cuda.TIMELINE) at T = 1, 4, 16 (~90 s)
 #   bash benchmarks/device_check.sh queue        # QUEUE (FC1 + FC2 in one launch): GPU tests, A/B at T = 1, timeline
+#   bash benchmarks/device_check.sh acquire      # ACQUIRE_LAST and QUEUE: their GPU tests, A/B of the four at T = 1
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -125,6 +126,21 @@ queue() {  # moe_cuda.QUEUE where the call folds: its GPU tests first (a deadloc
   mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
 }
 
+acquire() {  # ACQUIRE_LAST (the folds' arrivals release; the last CTA alone acquires) and QUEUE (its spin relaxed
+  # since session 34): QUEUE's and the folds' GPU tests, then a same-run A/B of the four at T = 1 (ACQ_REPS
+  # alternations), then QUEUE's timeline with both
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda_queue.py \
+    tests/backends/kernels/test_moe_cuda.py -k "queue or (folded_launches and (knobs2 or knobs3))" \
+    > "$OUT/t_acquire.log" 2>&1
+  local rc=$?; mark acquire_tests; tail -3 "$OUT/t_acquire.log"
+  [ "$rc" -ne 0 ] && { echo "acquire: GPU tests rc=$rc, no timing"; return; }
+  ab acquire_ab "${ACQ_REPS:-2}" "${ACQ_TOKENS:-1}" 60 "fold=" "acqlast=--knob ACQUIRE_LAST=1" \
+    "queue=--knob QUEUE=1" "queue_acqlast=--knob QUEUE=1 --knob ACQUIRE_LAST=1"
+  timeout 120 python benchmarks/bench_moe_cta_timeline.py --tokens 1 --knob QUEUE=1 --knob ACQUIRE_LAST=1 \
+    > "$OUT/cta_timeline_queue.txt" 2>&1
+  mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -137,8 +153,9 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline or queue" >&2
+    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline, queue or" \
+         "acquire" >&2
        exit 2 ;;
   esac
 done

@@ -158,6 +158,13 @@ T = 2 (not folded: the control) all 86.9-87.4. Predicted -1.5 to -3 µs: wrong s
 timeline (``benchmarks/bench_moe_cta_timeline.py``) says why: FC1's tail is its routed CTAs still streaming at 3.5
 TB/s after the shared expert's finish, so the prefetches compete with them (benchmarks/RESULTS.md session 33)."""
 
+ACQUIRE_LAST = False
+"""The folds' arrival counters (:data:`FOLD_ACT`'s act chunks, :data:`FOLD_COMBINE`'s row blocks): every arriving
+CTA's atomic is a release only, and the last CTA of a counter alone fences to acquire (define ``ACQUIRE_LAST``),
+instead of an acq_rel atomic in every CTA. Each acquire invalidates the SM's L1 (SASS ``CCTL.IVALL``); at T = 1
+that is 1,008 invalidations landing under the other CTAs' weight streams, ~200 with this. Same output (bitwise).
+Written session 34 after QUEUE's acquire spin was found to slow the SMs' streams: off until timed."""
+
 QUEUE = False
 """Where the call folds (:func:`decode_folds`; one column group), run FC1 and FC2 as ONE persistent launch,
 ``moe_experts`` (define ``QUEUE``, ``cuda/moe_decode_queue.cuh``): as many CTAs as are resident take tickets from a
@@ -386,20 +393,22 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
-                      QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2)
+                      QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
+                      ACQUIRE_LAST and fold)
 
 
 @functools.cache
 def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, warps: int, decode: int,
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
-               prefetch: int = 0, timeline: bool = False, queue: bool = False) -> tuple[CudaKernelSpec, ...]:
+               prefetch: int = 0, timeline: bool = False, queue: bool = False,
+               acquire_last: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
-         *((("QUEUE", 1),) if queue else ()))
+         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:

@@ -368,7 +368,7 @@ def _bitwise_the_default(t: int, knob) -> None:
     assert torch.equal(out, mm(new))
 
 
-FOLDS = [("FOLD_ACT",), ("FOLD_COMBINE",), ("FOLD_ACT", "FOLD_COMBINE")]
+FOLDS = [("FOLD_ACT",), ("FOLD_COMBINE",), ("FOLD_ACT", "FOLD_COMBINE"), ("FOLD_ACT", "FOLD_COMBINE", "ACQUIRE_LAST")]
 
 
 def _fold(monkeypatch: pytest.MonkeyPatch, knobs: tuple[str, ...], on: bool) -> None:
@@ -376,7 +376,7 @@ def _fold(monkeypatch: pytest.MonkeyPatch, knobs: tuple[str, ...], on: bool) -> 
     splits the same either way (every grid counts as one wave: BALANCE_SHARED's 6 shared FC1 splits wherever the
     layout takes them, as the default at T = 1)."""
     monkeypatch.setattr(moe_cuda, "SMS", 1 << 30)
-    for knob in ("FOLD_ACT", "FOLD_COMBINE"):
+    for knob in ("FOLD_ACT", "FOLD_COMBINE", "ACQUIRE_LAST"):
         monkeypatch.setattr(moe_cuda, knob, on and knob in knobs)
 
 
@@ -406,6 +406,24 @@ def test_folded_builds_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> 
             assert ops.index("ACQBULK") < ops.index("PREEXIT")
         else:
             assert any(op.startswith("ATOMS.") for op in ops)
+
+
+@pytest.mark.parametrize("acquire_last", [False, True])
+def test_fold_arrivals_invalidate_l1_as_chosen_in_sass(acquire_last: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fold arrival (FC1's act chunks, FC2's row blocks: a global atomic add) is an acq_rel atomic, whose
+    acquire invalidates the SM's L1 (CCTL.IVALL) right after it; with ACQUIRE_LAST a release atomic, the
+    invalidation only in the last CTA's branch (after the compare and branch on the atomic's old value)."""
+    monkeypatch.setattr(moe_cuda, "ACQUIRE_LAST", acquire_last)
+    specs = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 1, False, fold=True)}
+    for kernel in ("moe_fc1", "moe_fc2"):
+        ops = [line.split("*/")[1].split(";")[0].split() for line in kernel_sass(specs[kernel]).splitlines()
+               if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
+        ops = [w[1] if w[0].startswith("@") else w[0] for w in ops if w]
+        arrivals = [i for i, op in enumerate(ops) if op.startswith("ATOMG.E.ADD")]
+        assert arrivals and ops.count("CCTL.IVALL") == len(arrivals), (kernel, len(arrivals))
+        for i in arrivals:
+            after = ops[i + 1:ops.index("CCTL.IVALL", i)]
+            assert any(op == "BRA" for op in after) == acquire_last, (kernel, after)
 
 
 @pytest.mark.gpu

@@ -51,7 +51,7 @@ __device__ __forceinline__ void combine_at(const float* y, bool valid, int n, in
 __device__ void combine_tail(int row0, const float* y, const long long* ids, int E, int T, int topk, int n_slots,
                              int KSs, int S, int P, int H, void* out, int* done, int* flag) {
   const int shared = S > 0 ? KSs : 0;
-  if (!last_to_arrive(done + row0 / (32 * WARPS), n_slots + shared * SHARED_GROUPS(T), flag)) return;
+  if (!last_to_arrive<ACQUIRE_LAST>(done + row0 / (32 * WARPS), n_slots + shared * SHARED_GROUPS(T), flag)) return;
   for (int i = threadIdx.x; i < T * 32 * WARPS; i += blockDim.x) {
     const int n = i / (32 * WARPS), c = row0 + (i - n * 32 * WARPS);
     combine_at(y, ids_valid(ids, n, topk, E), n, c, T, topk, shared, P, H, out);

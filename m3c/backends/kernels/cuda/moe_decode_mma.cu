@@ -54,6 +54,9 @@
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
+#ifndef ACQUIRE_LAST
+#define ACQUIRE_LAST 0  // 1: the folds' arrivals release only; the last CTA of a counter alone fences (last_to_arrive)
+#endif
 #ifndef QUEUE
 #define QUEUE 0  // 1: moe_experts, FC1's and FC2's items in one persistent launch (moe_decode_queue.cuh)
 #endif
@@ -477,7 +480,7 @@ __device__ void act_tail(const ActTail* at, const int* pair, const int* tok, con
                          void* act, int* flag) {
   const volatile ActTail* v = at;
   grid_launch_dependents();  // (every CTA has waited by now: see moe_fc1)
-  if (!last_to_arrive(v->counter, 2 * v->KS, flag)) return;
+  if (!last_to_arrive<ACQUIRE_LAST>(v->counter, 2 * v->KS, flag)) return;
   switch (v->KS) {
     case 1: act_chunk<1>(v, pair, tok, h, split, ROWS, act); break;
     case 2: act_chunk<2>(v, pair, tok, h, split, ROWS, act); break;
@@ -507,7 +510,7 @@ __device__ void wait_ready(const Block& b, int E, int I, int S, int H, int KSs, 
     const int who = counter_row(b, E);
     const int chunks = (b.expert >= 0 ? I : S) / (32 * WARPS), blocks = H / (32 * WARPS) * (b.expert >= 0 ? 1 : KSs);
     while (ld_relaxed(ready + who) < chunks) __nanosleep(64);
-    fence_acquire();
+    fence_acq_rel_gpu();
     if (atomicAdd(consumed + who, 1) == blocks - 1) {
       *(volatile int*)(consumed + who) = 0;
       *(volatile int*)(ready + who) = 0;

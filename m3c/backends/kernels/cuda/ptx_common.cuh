@@ -23,30 +23,43 @@ __device__ __forceinline__ int arrive(int* counter) {  // atomicAdd(counter, 1),
 }
 
 // A spin's load (GPU scope, relaxed): no L1 invalidation, unlike ld.acquire, whose CCTL.IVALL each time round a
-// spin slowed the SM's other CTAs' weight streams (benchmarks/RESULTS.md session 34). End the spin with fence_acquire.
+// spin slowed the SM's other CTAs' weight streams (benchmarks/RESULTS.md session 34). End the spin with
+// fence_acq_rel_gpu.
 __device__ __forceinline__ int ld_relaxed(const int* p) {
   int v;
   asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-// After a relaxed load saw a release: orders the thread's later loads after it (the fence form of an acquire).
-__device__ __forceinline__ void fence_acquire() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+// After a relaxed load or a release atomic saw a release: orders the thread's later loads after it (the fence
+// form of an acquire; also a release fence).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 __device__ __forceinline__ void release_add(int* p) {  // *p += 1 after the thread's earlier stores (GPU scope)
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(p) : "memory");
 }
 
+__device__ __forceinline__ int arrive_release(int* counter) {  // atomicAdd(counter, 1), release at GPU scope
+  int old;
+  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+
 // Whether this CTA is the last of `expect` to arrive at *counter (the same answer in every thread; every thread must
-// call it): a barrier, then one thread's acq_rel atomic (release: cumulative over the CTA's stores the barrier
-// ordered before it; acquire: the other CTAs' stores before the last CTA's loads, which must read L2: ld.cg). The
-// last CTA stores 0 to *counter (the next launch, or a CUDA-graph replay, finds it zero). `flag`: an int of shared
-// memory.
+// call it): a barrier, then one thread's atomic (release: cumulative over the CTA's stores the barrier ordered
+// before it; acquire: the other CTAs' stores before the last CTA's loads, which must read L2: ld.cg). ACQ_LAST: the
+// atomic is a release only and the last CTA alone fences (fence_acq_rel_gpu), so only it invalidates its SM's L1
+// (the acq_rel atomic's CCTL.IVALL in every arriving CTA lands under the other CTAs' weight streams). The last CTA
+// stores 0 to *counter (the next launch, or a CUDA-graph replay, finds it zero). `flag`: an int of shared memory.
+template <bool ACQ_LAST = false>
 __device__ __forceinline__ bool last_to_arrive(int* counter, int expect, int* flag) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int last = arrive(counter) == expect - 1;
-    if (last) *(volatile int*)counter = 0;
+    const int last = (ACQ_LAST ? arrive_release(counter) : arrive(counter)) == expect - 1;
+    if (last) {
+      if (ACQ_LAST) fence_acq_rel_gpu();
+      *(volatile int*)counter = 0;
+    }
     *flag = last;
   }
   __syncthreads();
