@@ -64,6 +64,13 @@ def summarize(ctas: list[dict], bin_us: float) -> dict:
             "post_us_max": max((c["exit"] - c["gemv_end"]) / 1e3 for c in work),
             "ctas_per_sm_max": max(sum(1 for c in cs if c["sm"] == s) for s in {c["sm"] for c in cs}),
         }
+        # an SM streams at most ~1/132 of HBM, so its load is the bytes of its CTAs (session 34: QUEUE's ticket
+        # order gave some SMs 885 KB of FC1 and others 541, where moe_fc1's grid gives 713-799)
+        per_sm: dict[int, float] = {}
+        for c in work:
+            per_sm[c["sm"]] = per_sm.get(c["sm"], 0.0) + c["bytes"] / 1e3
+        loads = sorted(per_sm.values())
+        res[k].update({"sm_kb_min": loads[0], "sm_kb_median": med(loads), "sm_kb_max": loads[-1]})
     res["gap_us"] = res["moe_fc2"]["first_entry"] - res["moe_fc1"]["last_exit"]
     end = max(c["exit"] for c in ctas)
     nbins = int((end - t0) / 1e3 / bin_us) + 1
@@ -120,7 +127,8 @@ def show(r: dict, bin_us: float) -> None:
           f"FC1 + FC2 span {r['span_us']:.1f} µs, weight floor {r['floor_us']:.1f} µs; gap FC1 last exit -> FC2 "
           f"first entry {r['gap_us']:.2f} µs; timer step {r['timer_step_ns']} ns")
     keys = ("ctas", "with_work", "bytes_mb", "first_entry", "last_entry", "first_gemv_end", "first_exit", "last_exit",
-            "pre_us_median", "stream_us_median", "stream_us_max", "post_us_median", "post_us_max", "ctas_per_sm_max")
+            "pre_us_median", "stream_us_median", "stream_us_max", "post_us_median", "post_us_max", "ctas_per_sm_max",
+            "sm_kb_min", "sm_kb_median", "sm_kb_max")
     print(f"  {'':<18}" + "".join(f"{k:>10}" for k in ("moe_fc1", "moe_fc2")))
     for k in keys:
         print(f"  {k:<18}" + "".join(f"{r[n][k]:>10.2f}" for n in ("moe_fc1", "moe_fc2")))
