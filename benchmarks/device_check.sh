@@ -116,12 +116,14 @@ timeline() {  # when each FC1 / FC2 CTA enters, stages, streams and leaves, and 
 }
 
 queue() {  # moe_cuda.QUEUE where the call folds: its GPU tests first (a deadlock ends in the timeout, and the rest
-  # is skipped), then a same-run A/B at T = 1 (QUEUE_REPS alternations), then its timeline beside the plain one's
+  # is skipped), then a same-run A/B at T = 1 (QUEUE_REPS alternations; QUEUE launched programmatically too: its
+  # shared-expert FC1 items during the routing launch), then its timeline beside the plain one's
   timeout 240 python -m pytest -m gpu -v -p no:cacheprovider tests/backends/kernels/test_moe_cuda_queue.py \
     > "$OUT/t_queue.log" 2>&1
   local rc=$?; mark queue_tests; tail -3 "$OUT/t_queue.log"
   [ "$rc" -ne 0 ] && { echo "queue: GPU tests rc=$rc, no timing"; return; }
-  ab queue_ab "${QUEUE_REPS:-3}" "${QUEUE_TOKENS:-1}" 60 "queue0=--knob QUEUE=0" "queue1=--knob QUEUE=1"
+  ab queue_ab "${QUEUE_REPS:-3}" "${QUEUE_TOKENS:-1}" 60 "queue0=--knob QUEUE=0" "queue1=--knob QUEUE=1" \
+    "queue1_pdl=--knob QUEUE=1 --pdl fold=moe_experts"
   timeout 120 python benchmarks/bench_moe_cta_timeline.py --tokens 1 --knob QUEUE=1 > "$OUT/cta_timeline_queue.txt" 2>&1
   mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
 }

@@ -723,6 +723,9 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
     stage_rows(act16, amult, rows_of, n, ROWS / 2, k0, kc, (u16*)smem, mult);
 #endif
   };
+#if QUEUE  // (launched programmatically, its CTA may have run only shared-expert FC1 items, which read no routing)
+  grid_wait();
+#endif
   Block b;
   const bool found = find_block(b, idx, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags);
   MARK(b.expert, b.ks, (b.expert >= 0 ? I : S) / b.KS);
