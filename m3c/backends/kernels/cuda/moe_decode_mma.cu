@@ -751,6 +751,7 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
       [&] {
 #if QUEUE
         wait_ready(b, E, I, S, H, KSs, ready, consumed);
+        STAMP(1);  // (the probe: its staging starts after the wait, so the wait counts as before staging)
 #else
         grid_wait();
         grid_launch_dependents();
