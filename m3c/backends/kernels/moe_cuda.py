@@ -163,18 +163,21 @@ ACQUIRE_LAST = False
 CTA's atomic is a release only, and the last CTA of a counter alone fences to acquire (define ``ACQUIRE_LAST``),
 instead of an acq_rel atomic in every CTA. Each acquire invalidates the SM's L1 (SASS ``CCTL.IVALL``); at T = 1
 that is 1,008 invalidations landing under the other CTAs' weight streams, ~200 with this. Same output (bitwise).
-Written session 34 after QUEUE's acquire spin was found to slow the SMs' streams: off until timed."""
+Timed on the H200 (session 34, same run, two alternations, whole op from CUDA graphs): T = 1 59.1 / 58.8 ->
+59.5 / 59.5 µs (with QUEUE 72.4 / 72.5 -> 73.0 / 73.1): the invalidations cost nothing measurable, so it stays off."""
 
 QUEUE = False
 """Where the call folds (:func:`decode_folds`; one column group), run FC1 and FC2 as ONE persistent launch,
-``moe_experts`` (define ``QUEUE``, ``cuda/moe_decode_queue.cuh``): as many CTAs as are resident take tickets from a
-counter, FC1's items first, then FC2's; an FC2 item waits only for its own expert's act chunks (per-expert readiness
-counters), not for the whole of FC1, so FC2 streams while FC1's last CTAs drain. Deadlock-free without a cooperative
-launch (tickets in order, FC1 items wait on nothing); the counters are left at zero (graph replays). Why: the CTA
-timeline (benchmarks/RESULTS.md session 33) put 16 µs of T = 1's 59 in ramps and drains inside FC1 and FC2, 0.9 µs
-between them. Written without a GPU (session 33; inlined, the two item kinds spill 128 bytes a thread, outside the
-weight loop): off until its GPU tests and a same-run timing have run. Prediction at T = 1: 59 -> 53-55 µs (FC2's
-ramp and part of FC1's drain hidden)."""
+``moe_experts`` (define ``QUEUE``, ``cuda/moe_decode_queue.cuh``): as many CTAs as are resident claim items, FC1's
+from two pools (the shared expert's and the routed experts', each CTA's first claim of its block's kind in
+``moe_fc1``'s grid, so every SM gets that grid's mix), then FC2's from a ticket counter; an FC2 item waits only for
+its own expert's act chunks (per-expert readiness counters), not for the whole of FC1. Deadlock-free without a
+cooperative launch (FC2 tickets only once both pools are seen empty; FC1 items wait on nothing); the counters are
+left at zero (graph replays). Why: the CTA timeline put 16 µs of T = 1's 59 in ramps and drains inside FC1 and FC2.
+Measured on the H200 (session 34, same run, whole op from CUDA graphs, bitwise the fold's output): with one ticket
+counter for all items 72.5 µs against 58.8 (some SMs drew four 221 KB items, others four 135 KB ones, and an SM
+streams at most ~1/132 of HBM); with the pools 70.5 against 58.9 (routed FC2 items stream at ~6 GB/s a CTA against
+~8.2 in ``moe_fc2``, cause not found yet; benchmarks/RESULTS.md session 34). Off."""
 _STATIC_SMEM_QUEUE = 4096  # moe_experts' static shared memory (FC1's and FC2's both), rounded up (offline: 1.6 KB)
 
 TIMELINE = False
