@@ -176,8 +176,9 @@ cooperative launch (FC2 tickets only once both pools are seen empty; FC1 items w
 left at zero (graph replays). Why: the CTA timeline put 16 µs of T = 1's 59 in ramps and drains inside FC1 and FC2.
 Measured on the H200 (session 34, same run, whole op from CUDA graphs, bitwise the fold's output): with one ticket
 counter for all items 72.5 µs against 58.8 (some SMs drew four 221 KB items, others four 135 KB ones, and an SM
-streams at most ~1/132 of HBM); with the pools 70.5 against 58.9 (routed FC2 items stream at ~6 GB/s a CTA against
-~8.2 in ``moe_fc2``, cause not found yet; benchmarks/RESULTS.md session 34). Off."""
+streams at most ~1/132 of HBM); with the pools 70.5 against 58.9: the shared FC2 items stream beside the routed
+FC1 ones, which end later, and routed FC2 (its expert's whole FC1 first) is left with 384 streams, ~2.9 an SM at
+~7.4 GB/s each (2.9 TB/s, where ``moe_fc2``'s 480 make 3.9; benchmarks/RESULTS.md session 34). Off."""
 _STATIC_SMEM_QUEUE = 4096  # moe_experts' static shared memory (FC1's and FC2's both), rounded up (offline: 1.6 KB)
 
 TIMELINE = False
