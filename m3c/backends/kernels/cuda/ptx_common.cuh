@@ -22,8 +22,8 @@ __device__ __forceinline__ int arrive(int* counter) {  // atomicAdd(counter, 1),
   return old;
 }
 
-// A spin's load (GPU scope, relaxed): no L1 invalidation, unlike ld.acquire, whose CCTL.IVALL each time round a
-// spin slowed the SM's other CTAs' weight streams (benchmarks/RESULTS.md session 34). End the spin with
+// A spin's load (GPU scope, relaxed): no L1 invalidation each turn, unlike ld.acquire's CCTL.IVALL (QUEUE timed the
+// same either way, benchmarks/RESULTS.md session 34; this is the usual form of a spin). End the spin with
 // fence_acq_rel_gpu.
 __device__ __forceinline__ int ld_relaxed(const int* p) {
   int v;
@@ -49,7 +49,7 @@ __device__ __forceinline__ int arrive_release(int* counter) {  // atomicAdd(coun
 // call it): a barrier, then one thread's atomic (release: cumulative over the CTA's stores the barrier ordered
 // before it; acquire: the other CTAs' stores before the last CTA's loads, which must read L2: ld.cg). ACQ_LAST: the
 // atomic is a release only and the last CTA alone fences (fence_acq_rel_gpu), so only it invalidates its SM's L1
-// (the acq_rel atomic's CCTL.IVALL in every arriving CTA lands under the other CTAs' weight streams). The last CTA
+// (the acq_rel atomic's CCTL.IVALL: in every arriving CTA otherwise; timed no faster, session 34). The last CTA
 // stores 0 to *counter (the next launch, or a CUDA-graph replay, finds it zero). `flag`: an int of shared memory.
 template <bool ACQ_LAST = false>
 __device__ __forceinline__ bool last_to_arrive(int* counter, int expect, int* flag) {
