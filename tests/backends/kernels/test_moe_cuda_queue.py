@@ -89,7 +89,7 @@ def _simulate(fc1: list, fc2: list, s1: int, e: int, chunks: dict, consumers: di
     shared expert's), then from either pool while it has not seen both empty, then FC2's ticket counter; an FC1 item
     arrives at its chunk (the last of 2 x splits arrivals computes it and adds to ready); an FC2 item spins until
     ready reaches its chunk count, then consumes (the last consumer zeroes both); the CTA taking the last end ticket
-    zeroes the three counters. Asserts it finishes, each item runs once, FC2 after its whole act, where every block
+    zeroes the three counters; the pool loads sometimes read stale counts. Asserts it finishes, each item runs once, FC2 after its whole act, where every block
     was resident from the start each took an FC1 item of its block's kind first, and the counters end at zero."""
     n1, n2 = len(fc1), len(fc2)
     r1 = n1 - s1
@@ -114,7 +114,8 @@ def _simulate(fc1: list, fc2: list, s1: int, e: int, chunks: dict, consumers: di
             t = claim("s", s1, 0) if b < s1 else claim("r", r1, s1) if b < n1 else -1
             first_kind[b] = t < 0 or (t < s1) == (b < s1)
         if t < 0 and c["left"]:
-            cs, cr = q["s"], q["r"]
+            # (relaxed loads may read an older count, never a newer one: sometimes the launch's first, 0, so claims fail)
+            cs, cr = (q["s"], q["r"]) if rng.random() < 0.7 else (0, 0)
             if cr < r1:
                 t = claim("r", r1, s1)
             if t < 0 and cs < s1:

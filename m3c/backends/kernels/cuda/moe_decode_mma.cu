@@ -503,8 +503,8 @@ __device__ void act_tail(const ActTail* at, const int* pair, const int* tok, con
 // FC2's wait for its act (moe_experts, instead of grid_wait()): thread 0 spins until every act chunk of the block's
 // expert (I / (32 WARPS)) or shared column group (S / (32 WARPS)) is ready, then counts the block as consumed; the
 // last of the group's FC2 blocks (H / (32 WARPS) routed, that times KSs shared) zeroes both counters for the next
-// launch. FC1's items hold smaller tickets than any FC2 item and wait on nothing, so the spin ends (no cooperative
-// launch needed).
+// launch. An FC2 item is drawn only once every FC1 item is claimed by a running CTA (moe_decode_queue.cuh), and FC1
+// items wait on nothing, so the spin ends (no cooperative launch needed).
 __device__ void wait_ready(const Block& b, int E, int I, int S, int H, int KSs, int* ready, int* consumed) {
   if (threadIdx.x == 0) {
     const int who = counter_row(b, E);
@@ -723,7 +723,8 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
     stage_rows(act16, amult, rows_of, n, ROWS / 2, k0, kc, (u16*)smem, mult);
 #endif
   };
-#if QUEUE  // (launched programmatically, its CTA may have run only shared-expert FC1 items, which read no routing)
+#if QUEUE  // (where moe_cuda.PDL launches moe_experts programmatically, e.g. bench_moe_ab --pdl fold=moe_experts: its
+           // CTA may have run only shared-expert FC1 items, which read no routing)
   grid_wait();
 #endif
   Block b;

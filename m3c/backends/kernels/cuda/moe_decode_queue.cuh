@@ -12,8 +12,8 @@
 // Deadlock-free without a cooperative launch: a CTA takes an FC2 ticket only once it has seen both FC1 pools empty
 // (every FC1 item claimed by a running CTA, and FC1 items wait on nothing), so every FC2 wait ends. Each CTA takes one
 // end ticket; the one taking the last zeroes the three counters for the next launch (graph replays need no reset):
-// every other CTA's claims came before its own end ticket, and each claim's result was used before that ticket was
-// asked for.
+// every CTA fences once after its last pool operation, before any ticket (a release pattern with its ticket atomics),
+// and the zeroing CTA fences after its end ticket (acquire), so every pool operation comes before the zeroing.
 #pragma once
 
 #if TIMELINE  // (the probe: FC2's items stamp rows n1 .. n1 + n2 - 1)
@@ -57,6 +57,8 @@ moe_experts(const void* x, const u16* x16, const float* xmult, int T, const long
         if (cr < r1) t = claim(pool_r, r1, s1);
         if (t < 0 && cs < s1) t = claim(pool_s, s1, 0);
         fc1_left = t >= 0;  // (a failed claim: that pool is empty; the other was seen empty or failed too)
+        // no pool operation after this: they all come before its FC2 and end tickets (release; the zeroing acquires)
+        if (!fc1_left) fence_acq_rel_gpu();
       }
       ticket = t >= 0 ? t : n1 + atomicAdd(queue, 1);
     }
@@ -65,6 +67,7 @@ moe_experts(const void* x, const u16* x16, const float* xmult, int T, const long
     __syncthreads();  // (read by every thread before thread 0 draws again)
     if (t >= n1 + n2) {
       if (threadIdx.x == 0 && t == n1 + n2 + (int)gridDim.x - 1) {
+        fence_acq_rel_gpu();  // (every CTA's pool operations, released before its end ticket, before these stores)
         *(volatile int*)queue = 0;
         *(volatile int*)pool_s = 0;
         *(volatile int*)pool_r = 0;
