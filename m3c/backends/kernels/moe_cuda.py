@@ -735,8 +735,8 @@ def queue_ints(experts: int) -> int:
 def _launch_queue(spec: CudaKernelSpec, runner: Runner, n1: int, n2: int, args: list) -> None:
     """Launch ``moe_experts`` (:data:`QUEUE`, `args` its arguments) over FC1's n1 and FC2's n2 items: as many CTAs
     as are resident at once on :data:`SMS` SMs (the NT = 1 launch bounds' 16 warps an SM, and shared memory), fewer
-    if there are fewer items; the ticket counter, not the grid, hands out the items, so a part with fewer SMs only
-    runs them in a different order."""
+    if there are fewer items; the counters, not the grid, hand out the items, so a part with fewer SMs only runs
+    them in a different order."""
     runner(spec, (max(1, min(n1 + n2, _resident(16, spec.shared_bytes + _STATIC_SMEM_QUEUE))),), args)
 
 

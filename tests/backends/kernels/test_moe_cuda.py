@@ -140,6 +140,13 @@ def kernel_sass(spec) -> str:
     return sass.split("Function :")[0]
 
 
+def kernel_opcodes(spec) -> list[str]:
+    """The opcodes (with their modifiers) of the spec's own kernel's SASS, in order; predicated ones too."""
+    words = [line.split("*/")[1].split() for line in kernel_sass(spec).splitlines()
+             if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
+    return [w[1] if w[0].startswith("@") else w[0] for w in words]
+
+
 @pytest.mark.parametrize("tokens", [1, 9, 33])  # the decode builds megamoe runs: 1..8, 9..32, 33..64 tokens
 def test_dependent_launches_wait_and_release_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """PDL: FC1 / act / FC2 / combine are launched programmatically where PDL says (per NT), wait on their
@@ -392,15 +399,11 @@ def test_folded_builds_in_sass(tokens: int, monkeypatch: pytest.MonkeyPatch) -> 
     specs = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide, fold=True)}
     plain = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)}
     assert list(specs) == ["moe_stage_x", "moe_fc1", "moe_fc2"]
-    def opcodes(spec) -> list[str]:
-        words = [line.split("*/")[1].split() for line in kernel_sass(spec).splitlines()
-                 if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
-        return [w[1] if w[0].startswith("@") else w[0] for w in words]  # (predicated too)
-
     for kernel in ("moe_fc1", "moe_fc2"):
-        ops = opcodes(specs[kernel])
+        ops = kernel_opcodes(specs[kernel])
         assert any(op.startswith("ATOMG.E.ADD") for op in ops), kernel
-        spills = sum(op.startswith("STL") for op in ops) - sum(op.startswith("STL") for op in opcodes(plain[kernel]))
+        spills = (sum(op.startswith("STL") for op in ops)
+                  - sum(op.startswith("STL") for op in kernel_opcodes(plain[kernel])))
         assert spills <= (4 if (kernel, nt, wide) == ("moe_fc1", 1, True) else 1), (kernel, spills)
         if kernel == "moe_fc1":
             assert ops.index("ACQBULK") < ops.index("PREEXIT")
@@ -416,9 +419,7 @@ def test_fold_arrivals_invalidate_l1_as_chosen_in_sass(acquire_last: bool, monke
     monkeypatch.setattr(moe_cuda, "ACQUIRE_LAST", acquire_last)
     specs = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 1536, "bf16", 1, False, fold=True)}
     for kernel in ("moe_fc1", "moe_fc2"):
-        ops = [line.split("*/")[1].split(";")[0].split() for line in kernel_sass(specs[kernel]).splitlines()
-               if re.search(r"/\*[0-9a-f]{4,5}\*/", line)]
-        ops = [w[1] if w[0].startswith("@") else w[0] for w in ops if w]
+        ops = kernel_opcodes(specs[kernel])
         arrivals = [i for i, op in enumerate(ops) if op.startswith("ATOMG.E.ADD")]
         assert arrivals and ops.count("CCTL.IVALL") == len(arrivals), (kernel, len(arrivals))
         for i in arrivals:

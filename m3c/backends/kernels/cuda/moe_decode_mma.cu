@@ -541,7 +541,8 @@ __device__ void prefetch_fc2(const Block* pb, int I, int S, int H, int KS2s, con
 // the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens) and stage
 // only the tokens that picked their expert. With FOLD_ACT each CTA then arrives at its act chunk's counter, the last
 // one computing the chunk (act_tail).
-// FC1_PARAMS / FC1_ARGS: moe_fc1's arguments (fc1_item's after the item), as declared and as passed on.
+// FC1_PARAMS / FC1_ARGS: moe_fc1's arguments (fc1_item's after the item), as declared and as passed on; FC1_OWN_*:
+// the same without the probe's tl (moe_experts takes FC1's, then FC2's, then tl).
 #if FOLD_ACT
 #define FC1_FOLD_PARAMS void *act, int *counters,
 #define FC1_FOLD_ARGS , act, counters
@@ -556,13 +557,15 @@ __device__ void prefetch_fc2(const Block* pb, int I, int S, int H, int KS2s, con
 #define FC1_PF_PARAMS
 #define FC1_PF_ARGS
 #endif
-#define FC1_PARAMS                                                                                              \
+#define FC1_OWN_PARAMS                                                                                          \
   const void *x, const u16 *x16, const float *xmult, int T, const long long *ids, int topk, int E, int n_slots, \
       const u8 *rcode, const u8 *rscale, const float *rrow, int rows, const u8 *scode, const u8 *sscale,       \
-      int srows, int H, int KSr, int KSs, float *h, int P, int ROWS, FC1_FOLD_PARAMS FC1_PF_PARAMS TL_PARAM
-#define FC1_ARGS                                                                                                  \
+      int srows, int H, int KSr, int KSs, float *h, int P, int ROWS, FC1_FOLD_PARAMS FC1_PF_PARAMS
+#define FC1_OWN_ARGS                                                                                              \
   x, x16, xmult, T, ids, topk, E, n_slots, rcode, rscale, rrow, rows, scode, sscale, srows, H, KSr, KSs, h, P, ROWS \
-      FC1_FOLD_ARGS FC1_PF_ARGS TL_ARG
+      FC1_FOLD_ARGS FC1_PF_ARGS
+#define FC1_PARAMS FC1_OWN_PARAMS TL_PARAM
+#define FC1_ARGS FC1_OWN_ARGS TL_ARG
 
 // FC1's grid item `idx` (moe_fc1: its CTA's blockIdx.x; moe_experts: a ticket). QUEUE: `ready`, the act-readiness
 // counters (act_tail).
@@ -667,7 +670,9 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
 #endif
 }
 
-extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS void* scratch0, void* scratch1) { fc1_item(blockIdx.x, FC1_ARGS); }
+extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS void* scratch0, void* scratch1) {
+  fc1_item(blockIdx.x, FC1_ARGS);
+}
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs; FOLD_ACT:
 // act staged by stage_act). Before
@@ -784,7 +789,9 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
 #endif
 }
 
-extern "C" __global__ void FC_BOUNDS moe_fc2(FC2_PARAMS void* scratch0, void* scratch1) { fc2_item(blockIdx.x, FC2_ARGS); }
+extern "C" __global__ void FC_BOUNDS moe_fc2(FC2_PARAMS void* scratch0, void* scratch1) {
+  fc2_item(blockIdx.x, FC2_ARGS);
+}
 
 // out[n, :] = combine_at over every column, a CTA row per token (the launch FOLD_COMBINE folds into FC2).
 extern "C" __global__ void __launch_bounds__(256)

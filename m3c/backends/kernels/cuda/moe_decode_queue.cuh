@@ -1,7 +1,8 @@
 // moe_experts (QUEUE): the MegaMoE decode's FC1 and FC2 items in ONE persistent launch, for the folded builds
-// (moe_decode_mma.cu, included at its end). Its CTAs (as many as are resident at once) claim items from counters, so
-// an FC2 item waits only for its own expert's act (wait_ready), not for the whole of FC1: FC2 streams while FC1's last
-// CTAs drain (benchmarks/RESULTS.md session 33: T = 1 lost 16 us to ramps and drains inside the two launches).
+// (moe_decode_mma.cu, included at its end; its arguments: moe_fc1's, FC1_OWN_PARAMS, then FC2's own). Its CTAs (as
+// many as are resident at once) claim items from counters, so an FC2 item waits only for its own expert's act
+// (wait_ready), not for the whole of FC1: FC2 streams while FC1's last CTAs drain (benchmarks/RESULTS.md session 33:
+// T = 1 lost 16 us to ramps and drains inside the two launches).
 // - FC1's items come from two pools, the shared expert's [0, s1) and the routed experts' [s1, n1) (moe_fc1's grid
 //   order), and a CTA's first claim is from the pool of ITS block's kind in moe_fc1's grid (block b < s1: shared).
 //   The block scheduler spreads consecutive blocks over the SMs, so every SM gets moe_fc1's mix (at T = 1 three
@@ -29,12 +30,9 @@ __device__ __forceinline__ int claim(int* pool, int size, int base) {
 }
 
 extern "C" __global__ void FC_BOUNDS
-moe_experts(const void* x, const u16* x16, const float* xmult, int T, const long long* ids, int topk, int E,
-            int n_slots, const u8* rcode, const u8* rscale, const float* rrow, int rows, const u8* scode,
-            const u8* sscale, int srows, int H, int KSr, int KSs, float* h, int P, int ROWS, void* act, int* counters,
-            const float* wts, const u8* rcode2, const u8* rscale2, const float* rrow2, const u8* scode2,
-            const u8* sscale2, int I, int S, int KS2s, float* y, void* out, int* done, int* queue, int n1, int n2,
-            TL_PARAM void* scratch0, void* scratch1) {
+moe_experts(FC1_OWN_PARAMS const float* wts, const u8* rcode2, const u8* rscale2, const float* rrow2,
+            const u8* scode2, const u8* sscale2, int I, int S, int KS2s, float* y, void* out, int* done, int* queue,
+            int n1, int n2, TL_PARAM void* scratch0, void* scratch1) {
   __shared__ int ticket, first, fc1_left;  // (thread 0's: in shared memory, not held in registers across the items)
   // queue[0]: FC2's ticket counter, then the shared and the routed FC1 pools; ready [E + 1]: act chunks ready,
   // consumed [E + 1]: FC2 blocks past their wait; each 128 bytes (32 ints) after the previous, so the spinning loads
@@ -75,8 +73,7 @@ moe_experts(const void* x, const u16* x16, const float* xmult, int T, const long
       return;
     }
     if (t < n1) {
-      fc1_item(t, x, x16, xmult, T, ids, topk, E, n_slots, rcode, rscale, rrow, rows, scode, sscale, srows, H, KSr,
-               KSs, h, P, ROWS, act, counters TL_ARG, ready);
+      fc1_item(t, FC1_ARGS, ready);
     } else {
       fc2_item(shared_first(t - n1, shared2, routed2), act, T, ids, wts, topk, E, n_slots, rcode2, rscale2, rrow2,
                scode2, sscale2, I, S, H, KS2s, P, ROWS, y, out, done TL_ARG2, ready, consumed);
