@@ -57,6 +57,9 @@
 #ifndef ACQUIRE_LAST
 #define ACQUIRE_LAST 0  // 1: the folds' arrivals release only; the last CTA of a counter alone fences (last_to_arrive)
 #endif
+#ifndef BALANCE
+#define BALANCE 0  // 1: moe_fc1 balances the weight units over one wave (moe_decode_balanced.cuh), moe_act sums to match
+#endif
 #ifndef QUEUE
 #define QUEUE 0  // 1: moe_experts, FC1's and FC2's items in one persistent launch (moe_decode_queue.cuh)
 #endif
@@ -82,6 +85,8 @@
 static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
 static_assert(16 % WARPS == 0 && WARPS <= 4, "the launch bounds count 16 warps an SM");
 static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one column group only");
+static_assert(BALANCE == 0 || (GROUPS == 1 && !FOLD_ACT && !QUEUE && !PREFETCH_FC2 && !TIMELINE),
+              "BALANCE: the builds of one column group, act launched");
 static_assert(QUEUE == 0 || (GROUPS == 1 && FOLD_ACT && FOLD_COMBINE && !PREFETCH_FC2),
               "QUEUE: the folded builds of one column group");
 // The shared expert's column groups for T tokens (a CTA each; moe_cuda's grids count them the same way).
@@ -169,6 +174,20 @@ __device__ void act_row(const float* hp, long split, int K, float (&v)[8], float
 // (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits 1, 2, 3, 4, 6 or 8).
 // One CTA of 512 threads per pair; each thread keeps its (<= 4) value pairs in registers (with 256 threads and 8
 // pairs a thread, T = 16 took 12 us: benchmarks/RESULTS.md, session 21).
+// moe_act's end: pair p's K values v (this thread's, largest magnitude m) scaled into act16 [p, :K], amult[p].
+__device__ __forceinline__ void act_store(const float (&v)[8], float m, int K, int p, int ROWS, u16* act16,
+                                          float* amult, float* red) {
+  float down, up;
+  pow2_scale(block_max(m, red), down, up);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * (threadIdx.x + ACT_THREADS * i);
+    if (k < K) *(u32*)(act16 + (long)p * ROWS / 2 + k) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
+  }
+  if (threadIdx.x == 0) amult[p] = up;
+}
+
+#if !BALANCE  // (BALANCE: moe_decode_balanced.cuh's, which sums each row block's own count of partials)
 extern "C" __global__ void __launch_bounds__(ACT_THREADS)
 moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int I, int S, u16* act16,
         float* amult, void* scratch0, void* scratch1) {
@@ -189,15 +208,9 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
     case 6: act_row<6>(hp, split, K, v, m); break;
     default: act_row<8>(hp, split, K, v, m); break;
   }
-  float down, up;
-  pow2_scale(block_max(m, red), down, up);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int k = 2 * (threadIdx.x + ACT_THREADS * i);
-    if (k < K) *(u32*)(act16 + (long)p * ROWS / 2 + k) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
-  }
-  if (threadIdx.x == 0) amult[p] = up;
+  act_store(v, m, K, p, ROWS, act16, amult, red);
 }
+#endif
 
 // Every piece (r, p) of a rows x per grid, the CTA's threads blockDim apart, four a thread at a time: load(r, p) of
 // all four is issued before any store(r, p, value), so four loads are in flight (the piece index is advanced
@@ -344,9 +357,10 @@ template <int N, class Stage>
 __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
                                           const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
                                           const float* rrow, const u8* scode, const u8* sscale, const float* wts,
-                                          float* out, long out_stride, const Stage& stage) {
+                                          float* out, long out_stride, const Stage& stage, long k_first = -1) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
   const int row = b.row0 + warp * 32;  // first row of the warp's tiles
+#define K0 (k_first >= 0 ? k_first : (long)b.ks * Kc)  // the block's first K (k_first: fc1_balanced's)
   const int cnt = cols.cnt;
   float acc[ROWT][N][4];
 #pragma unroll
@@ -358,20 +372,21 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
   const long tile = (long)row / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
   if (b.expert >= 0 && NATURAL) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
     const long r0 = (long)b.expert * rows_total + row + g;
-    const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;
-    const u8* s = rscale + r0 * (K / 16) + (long)b.ks * Kc / 16 + 2 * j;
+    const u8* c = rcode + r0 * (K / 2) + K0 / 2 + 16 * j;
+    const u8* s = rscale + r0 * (K / 16) + K0 / 16 + 2 * j;
     gemv<N>(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, cnt, acc, stage);
   } else if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
     const long tb = (long)K * 8, tsb = (long)K;
-    const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
-    const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
+    const u8* c = rcode + tile * tb + K0 * 8 + lane * 16;
+    const u8* s = rscale + tile * tsb + K0 + lane * 8;
     gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc, stage);
   } else {              // prepacked codes (16 rows x K bytes a tile), scales in their natural [rows, K / 32] layout
     const long tb = (long)K * 16, tsb = (long)K * 16 / 32;
-    const u8* c = scode + tile * tb + (long)b.ks * Kc * 16 + lane * 16;
-    const u8* s = sscale + (long)(row + g) * (K / 32) + (long)b.ks * Kc / 32;
+    const u8* c = scode + tile * tb + K0 * 16 + lane * 16;
+    const u8* s = sscale + (long)(row + g) * (K / 32) + K0 / 32;
     gemv<N>(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, cnt, acc, stage);
   }
+#undef K0
   grid_wait();
   // every load before the first store: out might alias rrow / wts for the compiler, so each store ordered the next
   // load after it (a dependent L2 round trip an output element; moe_prefill_ws's FC2 lost ~30% to it, RESULTS.md
@@ -410,16 +425,16 @@ template <class Stage>
 __device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
                                          const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
                                          const float* rrow, const u8* scode, const u8* sscale, const float* wts,
-                                         float* out, long out_stride, const Stage& stage) {
+                                         float* out, long out_stride, const Stage& stage, long k_first = -1) {
 #if NT > 1
   if (cols.cnt > 8) {
     run_tiles<NT>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride,
-                  stage);
+                  stage, k_first);
     return;
   }
 #endif
   run_tiles<1>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride,
-               stage);
+               stage, k_first);
 }
 
 #if FOLD_ACT
@@ -670,9 +685,17 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
 #endif
 }
 
+#if BALANCE
+#include "moe_decode_balanced.cuh"
+
+extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS int* nseg, void* scratch0, void* scratch1) {
+  fc1_balanced(FC1_BAL_ARGS);
+}
+#else
 extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS void* scratch0, void* scratch1) {
   fc1_item(blockIdx.x, FC1_ARGS);
 }
+#endif
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs; FOLD_ACT:
 // act staged by stage_act). Before
