@@ -162,7 +162,8 @@ def test_balanced_decode_gpu(t: int, hot: int, invalid: bool, monkeypatch: pytes
     diff = float((got[valid].float() - plain[valid].float()).norm() / plain[valid].float().norm())
     assert diff < 2e-3, diff
     assert torch.isfinite(got[valid]).all() and (not invalid or torch.isnan(got[t - 1]).all())
-    assert torch.equal(run(x, True), got)
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))  # noqa: E731  (the invalid token's NaN)
+    assert same(run(x, True), got)
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -172,4 +173,4 @@ def test_balanced_decode_gpu(t: int, hot: int, invalid: bool, monkeypatch: pytes
         static.copy_(new)
         out.fill_(float("nan"))
         graph.replay()
-        assert torch.equal(out, run(new, True)), scale
+        assert same(out, run(new, True)), scale
