@@ -6,7 +6,7 @@ of the output (equal hashes: bitwise the same result).
 Usage (H200): PYTHONPATH=<tree> python benchmarks/bench_moe_ab.py --tag new --tokens 1,4,16,64 >> ab.jsonl
 A knob of one tree instead: ... --tag d1 --knob DECODE=1 (moe_cuda's module attributes, ints); the programmatic
 launches of one NT build: ... --tag fc2 --pdl 1=moe_fc2 (``--pdl 1=`` none; ``--pdl fold=...`` the folded calls';
-moe_cuda.PDL).
+moe_cuda.PDL); --kernels: each expert launch's profiler µs too.
 Then: python benchmarks/bench_moe_ab.py --summarize ab.jsonl (a line per T and tag, the runs side by side).
 """
 
@@ -17,7 +17,7 @@ import hashlib
 import json
 
 import torch
-from _timing import bench_graph
+from _timing import bench_graph, kernel_times
 
 from m3c.backends.kernels import moe_cuda
 from m3c.backends.kernels.moe_routing import moe_route
@@ -26,8 +26,9 @@ from m3c.fused.moe import MegaMoE, random_moe
 H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
 
 
-def point(tag: str, t: int, moe, mm: MegaMoE, gen: torch.Generator) -> dict:
-    """One T: error, output hash, the whole op and (where the CUDA decode kernels take T) the experts alone."""
+def point(tag: str, t: int, moe, mm: MegaMoE, gen: torch.Generator, kernels: bool = False) -> dict:
+    """One T: error, output hash, the whole op and (where the CUDA decode kernels take T) the experts alone (with
+    `kernels`, also each of their launches' profiler µs: a kernel's own time, the gaps between them left out)."""
     w13, w2, s13, s2 = mm.weights()
     cfg = moe.cfg
     x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
@@ -42,6 +43,8 @@ def point(tag: str, t: int, moe, mm: MegaMoE, gen: torch.Generator) -> dict:
            "megamoe_us": bench_graph(lambda: mm(x)) * 1e3}
     if t <= moe_cuda.MAX_TOKENS:
         row["experts_us"] = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)) * 1e3
+        if kernels:
+            row["kernels_us"] = kernel_times(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2))
     return row
 
 
@@ -67,6 +70,8 @@ def summarize(path: str) -> None:
         ex = " / ".join(f"{r['experts_us']:.1f}" for r in rs if "experts_us" in r)
         hashes = ",".join(sorted({r["hash"] for r in rs}))
         print(f"{t:>3} {tag:<24} {mm:<24} {ex:<24} {hashes:<14} {rs[0]['err']:.2e}")
+        if "kernels_us" in rs[0]:  # the first run's launches
+            print("      " + ", ".join(f"{k} {v:.1f}" for k, v in rs[0]["kernels_us"].items()))
 
 
 def main() -> None:
@@ -79,6 +84,7 @@ def main() -> None:
                     help="set moe_cuda.NAME (an int or bool knob, e.g. DECODE=1) before timing")
     ap.add_argument("--pdl", action="append", default=[], metavar="NT=K1,K2",
                     help="launch these kernels of the NT (or 'fold') builds programmatically (moe_cuda.PDL; empty: none)")
+    ap.add_argument("--kernels", action="store_true", help="also each expert launch's profiler µs")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -98,7 +104,7 @@ def main() -> None:
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
     for t in (int(v) for v in args.tokens.split(",")):
-        print(json.dumps(point(args.tag, t, moe, mm, gen)), flush=True)
+        print(json.dumps(point(args.tag, t, moe, mm, gen, args.kernels)), flush=True)
 
 
 if __name__ == "__main__":
