@@ -151,7 +151,7 @@ balance() {  # moe_cuda.BALANCE_FC1 (FC1's weight units balanced over one wave, 
   local rc=$?; mark balance_tests; tail -3 "$OUT/t_balance.log"
   [ "$rc" -ne 0 ] && { echo "balance: GPU tests rc=$rc, no timing"; return; }
   ab balance_ab "${BAL_REPS:-3}" "${BAL_TOKENS:-1,2,4,8}" 90 "bal0=--knob BALANCE_FC1=0 --kernels" \
-    "bal1=--knob BALANCE_FC1=1 --kernels"
+    "bal1=--knob BALANCE_FC1=1 --kernels" "bal1_early=--knob BALANCE_FC1=1 --knob BALANCE_EARLY=1 --kernels"
 }
 
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM

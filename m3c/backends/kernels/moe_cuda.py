@@ -191,6 +191,10 @@ TB/s), and at T = 4 / 16 the waves ramp and drain together and the CTAs of unuse
 (benchmarks/RESULTS.md sessions 33-34). Equal units per CTA make every SM's four streams end together, with no
 waves and no unused slots. The sums split K otherwise than the plain grid (outputs equal within float32 rounding,
 not bitwise). Off until timed on the H200."""
+BALANCE_EARLY = False
+"""With :data:`BALANCE_FC1`, its segments issue their first super-chunk's weight loads before staging the tokens
+(define ``EARLY`` in the balanced build, as :data:`EARLY_LOAD` does for others): a CTA that moves to its next row
+block then overlaps that stream's first latency with the staging. Untimed."""
 _STATIC_SMEM_QUEUE = 4096  # moe_experts' static shared memory (FC1's and FC2's both), rounded up (offline: 1.6 KB)
 
 TIMELINE = False
@@ -480,7 +484,8 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     pdl = PDL.get("fold", PDL.get(nt, ())) if fold else PDL.get(nt, ())
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
-                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT and not balance,
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD or (balance and BALANCE_EARLY),
+                      fold and FOLD_ACT and not balance,
                       fold and FOLD_COMBINE, PREFETCH_FC2 if fold and not wide and not balance else 0,
                       TIMELINE and not balance,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2 and not balance,
