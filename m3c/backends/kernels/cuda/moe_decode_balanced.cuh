@@ -53,6 +53,7 @@ __device__ __forceinline__ bool balanced_segment(Plan* plan, const u32* flags, i
     plan->u = end;  // (read after find_tokens' barriers)
     if (u == base) nseg[SH ? E * Rr + q : b.expert * Rr + q % Rr] = b.KS;
   }
+  prefetch_first(b, SH ? srows : rows, H, Kc, rcode, scode, k0);  // (as fc1_item: L2 fetches while tokens stage)
   find_tokens(pair, tok, cnt, masks, ids, T, topk, b.expert);
   u16* xs = (u16*)smem;
   staged(

@@ -326,18 +326,20 @@ __device__ void stage_direct(const void* x, int n0, int cnt, int H, int k0, int 
 // grid_wait()), so the weight stream's first latency overlaps it. (The CTA's whole K range by
 // cp.async.bulk.prefetch.L2 measured 5-25% slower on the H200: benchmarks/RESULTS.md, session 18.)
 __device__ __forceinline__ void prefetch_first(const Block& b, int rows_total, int K, int Kc, const u8* rcode,
-                                               const u8* scode) {
+                                               const u8* scode, long k_first = -1) {  // (k_first: run_tiles')
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if NATURAL
   if (b.expert >= 0) {  // the first super-chunk (128 bytes) of each of the warp's 32 rows
     const long row = (long)b.expert * rows_total + b.row0 + warp * 32 + lane;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(rcode + row * (K / 2) + (long)b.ks * Kc / 2));
+    const long k0 = k_first >= 0 ? k_first : (long)b.ks * Kc;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rcode + row * (K / 2) + k0 / 2));
     return;
   }
 #endif
   const long tile = (long)(b.row0 + warp * 32) / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
   const long tb = b.expert >= 0 ? (long)K * 8 : (long)K * 16;
-  const u8* c = (b.expert >= 0 ? rcode : scode) + tile * tb + (long)b.ks * Kc * (b.expert >= 0 ? 8 : 16);
+  const u8* c = (b.expert >= 0 ? rcode : scode) + tile * tb +
+                (k_first >= 0 ? k_first : (long)b.ks * Kc) * (b.expert >= 0 ? 8 : 16);
 #pragma unroll
   for (int t = 0; t < ROWT; ++t)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + t * tb + lane * 64));  // 2 KB: the first super-chunk
