@@ -190,11 +190,13 @@ KB, a CTA streams at most ~8-10 GB/s, so once an SM's short CTA ends its three l
 TB/s), and at T = 4 / 16 the waves ramp and drain together and the CTAs of unused expert slots take slots
 (benchmarks/RESULTS.md sessions 33-34). Equal units per CTA make every SM's four streams end together, with no
 waves and no unused slots. The sums split K otherwise than the plain grid (outputs equal within float32 rounding,
-not bitwise). Off until timed on the H200."""
-BALANCE_EARLY = False
-"""With :data:`BALANCE_FC1`, its segments issue their first super-chunk's weight loads before staging the tokens
-(define ``EARLY`` in the balanced build, as :data:`EARLY_LOAD` does for others): a CTA that moves to its next row
-block then overlaps that stream's first latency with the staging. Untimed."""
+not bitwise). Measured on the H200 (session 35, same run, two alternations, whole op from CUDA graphs; FC1 from the
+profiler): slower everywhere, so off. T = 1 58.9 / 58.8 -> 67.4 / 67.4 µs (FC1 32.8 -> 37.9, plus a 4.7 µs act
+launch: balanced, act is not folded), T = 2 89.2 / 89.6 -> 94.0 / 94.7, T = 4 114.8 / 115.2 -> 119.9 / 120.5 (FC1
+65.1 -> 72.0). With ``DECODE = 2`` (loads alone) FC1 moves only 29.3 -> 30.8 (T = 1) and 58.3 -> 59.6 (T = 4): the
+schedule streams nearly as fast (its extra segments' staging); what grows is the math's share (3.5 -> 7.1 µs at T = 1, 6.8 -> 12.4 at T = 4),
+whose cause is not measured (the weight loops' SASS is the plain build's within 5%; a per-segment timeline would
+say). Issuing each segment's first loads before its staging (``EARLY``) was slower still (+0.2 to +2 µs)."""
 _STATIC_SMEM_QUEUE = 4096  # moe_experts' static shared memory (FC1's and FC2's both), rounded up (offline: 1.6 KB)
 
 TIMELINE = False
@@ -484,8 +486,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     pdl = PDL.get("fold", PDL.get(nt, ())) if fold else PDL.get(nt, ())
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
-                      min_ctas, tmax, (nt, wide) in EARLY_LOAD or (balance and BALANCE_EARLY),
-                      fold and FOLD_ACT and not balance,
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT and not balance,
                       fold and FOLD_COMBINE, PREFETCH_FC2 if fold and not wide and not balance else 0,
                       TIMELINE and not balance,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2 and not balance,

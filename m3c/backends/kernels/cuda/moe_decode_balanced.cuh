@@ -9,6 +9,7 @@
 // block it meets, each a K range of that block. A row block's segments go to consecutive CTAs; the i-th of them
 // writes the block's partial i (h[i, pair, row], as a K split's) and the first also writes their count to nseg, which
 // moe_act reads. moe_cuda.balanced_segments is the host's twin of this arithmetic (tests, workspace bounds).
+// Off (moe_cuda.BALANCE_FC1): on the H200 FC1 measured 5-7 us slower at T = 1..4 (benchmarks/RESULTS.md, session 35).
 #pragma once
 
 // The CTA whose range holds unit u: the largest c with c U / G <= u (32-bit: moe_cuda keeps U G < 2^31).
