@@ -180,23 +180,22 @@ streams at most ~1/132 of HBM); with the pools 70.5 against 58.9: the shared FC2
 FC1 ones, which end later, and routed FC2 (its expert's whole FC1 first) is left with 384 streams, ~2.9 an SM at
 ~7.4 GB/s each (2.9 TB/s, where ``moe_fc2``'s 480 make 3.9; benchmarks/RESULTS.md session 34). Off."""
 BALANCE_FC1 = False
-"""Where it fits (:func:`balanced_fc1`: the build of one column group, T <= 8, each CTA's K range within FC1's shared
-memory), launch FC1 as one wave in which every CTA streams the same number of weight units (128 rows x a super-chunk
-of K; define ``BALANCE``, ``cuda/moe_decode_balanced.cuh``): CTA c of G takes units [c U / G, (c + 1) U / G) of the
-shared expert's, then the touched experts' (U counted on the device from the routing), a K range of each row block it
-meets; a row block's partials (as many as the CTAs that shared it) are summed by ``moe_act``, which is launched (no
-act fold). Why: the CTA timeline showed FC1's end is its drain: each SM carries 713-799 KB in four CTAs of 135 or 221
-KB, a CTA streams at most ~8-10 GB/s, so once an SM's short CTA ends its three long ones leave HBM under-read (3.5
-TB/s), and at T = 4 / 16 the waves ramp and drain together and the CTAs of unused expert slots take slots
-(benchmarks/RESULTS.md sessions 33-34). Equal units per CTA make every SM's four streams end together, with no
-waves and no unused slots. The sums split K otherwise than the plain grid (outputs equal within float32 rounding,
-not bitwise). Measured on the H200 (session 35, same run, two alternations, whole op from CUDA graphs; FC1 from the
-profiler): slower everywhere, so off. T = 1 58.9 / 58.8 -> 67.4 / 67.4 µs (FC1 32.8 -> 37.9, plus a 4.7 µs act
-launch: balanced, act is not folded), T = 2 89.2 / 89.6 -> 94.0 / 94.7, T = 4 114.8 / 115.2 -> 119.9 / 120.5 (FC1
-65.1 -> 72.0). With ``DECODE = 2`` (loads alone) FC1 moves only 29.3 -> 30.8 (T = 1) and 58.3 -> 59.6 (T = 4): the
-schedule streams nearly as fast (its extra segments' staging); what grows is the math's share (3.5 -> 7.1 µs at T = 1, 6.8 -> 12.4 at T = 4),
-whose cause is not measured (the weight loops' SASS is the plain build's within 5%; a per-segment timeline would
-say). Issuing each segment's first loads before its staging (``EARLY``) was slower still (+0.2 to +2 µs)."""
+"""Where it fits (:func:`balanced_fc1`: the build of one column group, T <= 8, each CTA's K ranges within FC1's shared
+memory), launch FC1 as one wave (define ``BALANCE``, ``cuda/moe_decode_balanced.cuh``): CTA c < Gs runs the shared
+expert's item c as the plain grid does, then A routed units (128 rows x a 256-K super-chunk of a touched expert); the
+other CTAs share the remaining routed units evenly; A brings a shared CTA's bytes up to the mean. A routed row
+block's partials (as many as the CTAs that shared it) are summed by ``moe_act``, which is launched (no act fold).
+Why: the CTA timeline showed FC1's end is its drain: each SM carries 713-799 KB in four CTAs of 135 or 221 KB, a CTA
+streams at most ~8-10 GB/s, so once an SM's short CTA ends its three long ones leave HBM under-read (3.5 TB/s), and
+at T = 4 / 16 the waves ramp and drain together and the CTAs of unused expert slots take slots (benchmarks/RESULTS.md
+sessions 33-34). The sums split K otherwise than the plain grid (outputs equal within float32 rounding, not bitwise).
+A first version (d600a4c) spread every unit, the shared expert's first, evenly over the CTAs. Measured on the H200
+(session 35, same run, two alternations, whole op from CUDA graphs; FC1 from the profiler): slower everywhere. T = 1
+58.9 / 58.8 -> 67.4 / 67.4 µs (FC1 32.8 -> 37.9, plus a 4.7 µs act launch), T = 2 89.2 / 89.6 -> 94.0 / 94.7, T = 4
+114.8 / 115.2 -> 119.9 / 120.5 (FC1 65.1 -> 72.0). With ``DECODE = 2`` (loads alone) FC1 moved only 29.3 -> 30.8 (T =
+1) and 58.3 -> 59.6 (T = 4): what grew was the math's share (3.5 -> 7.1 µs at T = 1, 6.8 -> 12.4 at T = 4). The
+likely cause: its MXFP8 units filled CTAs 0-104, so ~26 SMs held four NVFP4 CTAs (about twice the SASS a byte of
+MXFP8), where the plain grid gives every SM one MXFP8 item; this version keeps that mix. Untimed: off."""
 _STATIC_SMEM_QUEUE = 4096  # moe_experts' static shared memory (FC1's and FC2's both), rounded up (offline: 1.6 KB)
 
 TIMELINE = False
@@ -374,70 +373,77 @@ def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
     return ks1, ks1s, ks2s
 
 
-def _units(hidden: int, inter: int, shared_inter: int) -> tuple[int, int, int, int]:
-    """:data:`BALANCE_FC1`'s weight units: (the shared expert's, units a shared row block, a routed expert's, units a
-    routed row block); a unit is a row block (:func:`_rows_per_cta`) x a super-chunk of K (MXFP8 128, NVFP4 256)."""
+def _balanced_plan(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
+                   touched: int) -> tuple[int, int, int, int, int, int]:
+    """``fc1_balanced``'s schedule (:data:`BALANCE_FC1`) for `touched` experts: (grid G, shared items Gs, routed units
+    A a shared CTA takes, routed units R left to the other Go CTAs, all routed units, units a routed row block)."""
     rows = _rows_per_cta()
-    return 2 * shared_inter // rows * (hidden // 128), hidden // 128, 2 * inter // rows * (hidden // 256), hidden // 256
+    ks1s = call_splits(tokens, hidden, inter, experts, top_k, shared_inter)[1]
+    grid = one_wave(tokens, hidden, inter, shared_inter)[0]
+    gs = 2 * shared_inter // rows * ks1s
+    per = hidden // 256
+    ur = touched * (2 * inter // rows) * per
+    a = max(0, (ur * 4608 - (grid - gs) * (hidden // ks1s) * 33) // (grid * 4608)) if grid > gs else 0
+    r = ur - gs * a
+    return grid, gs, a, r, min(grid - gs, max(r, 1)), per
 
 
-def balanced_segments(hidden: int, inter: int, shared_inter: int, touched: int,
-                      grid: int) -> list[list[tuple[int, int, int, int, int]]]:
-    """The host's twin of ``fc1_balanced`` (:data:`BALANCE_FC1`): for each CTA of the grid, its segments (row block
-    -1 - q for the shared expert's q-th, else the touched experts' row blocks in order; the partial it writes; the
-    block's partial count; its first unit and unit count within the block)."""
-    us, ns, ur, nr = _units(hidden, inter, shared_inter)
-    total = us + touched * ur
-    g = min(grid, total)
-    out: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(grid)]
+def balanced_segments(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
+                      touched: int) -> list[list[tuple[int, int, int, int, int]]]:
+    """The host's twin of ``fc1_balanced``'s routed schedule (:data:`BALANCE_FC1`): for each CTA of the grid, its
+    routed segments (row block over the touched experts in order; the partial it writes; the block's partial count;
+    its first unit and unit count within the block). CTAs below Gs also run a shared-expert item, as the plain grid."""
+    grid, gs, a, r, go, per = _balanced_plan(tokens, hidden, inter, experts, top_k, shared_inter, touched)
+    ur, front = r + gs * a, gs * a
+
+    def start(c: int) -> int:
+        return c * a if c <= gs else front + (c - gs) * r // go
 
     def owner(u: int) -> int:
-        return ((u + 1) * g - 1) // total
-    for c in range(g):
-        u, u1 = c * total // g, (c + 1) * total // g
+        return u // a if u < front else gs + ((u - front + 1) * go - 1) // r
+    out: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(grid)]
+    for c in range(grid):
+        u, u1 = (start(c), start(c + 1)) if c < gs + go else (ur, ur)
         while u < u1:
-            shared = u < us
-            per = ns if shared else nr
-            q = u // ns if shared else (u - us) // nr
-            base = q * ns if shared else us + q * nr
-            end = min(base + per, u1)
+            q = u // per
+            base, end = q * per, min(q * per + per, u1)
             first = owner(base)
-            out[c].append((-1 - q if shared else q, c - first, owner(base + per - 1) - first + 1, u - base, end - u))
+            out[c].append((q, c - first, owner(base + per - 1) - first + 1, u - base, end - u))
             u = end
     return out
 
 
-def _balanced_grid(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> int:
-    """FC1's grid under :data:`BALANCE_FC1`: one wave (:func:`one_wave`), fewer if there are fewer units."""
-    us, _, ur, _ = _units(hidden, inter, shared_inter)
-    return min(one_wave(tokens, hidden, inter, shared_inter)[0], us + min(experts, tokens * top_k) * ur)
-
-
 def balanced_partials(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> int:
     """The most partials a row block gets under :data:`BALANCE_FC1` whatever the routing touches (h's first
-    dimension): a block of n units meets at most ceil(n / p) + 1 CTAs when each streams at least p units, and p is
-    least with the fewest units (no expert touched for the shared blocks, one for the routed ones)."""
-    us, ns, ur, nr = _units(hidden, inter, shared_inter)
-    grid = _balanced_grid(tokens, hidden, inter, experts, top_k, shared_inter)
+    dimension: the shared expert's K splits, or the most CTAs any routed row block meets for 1..n_slots experts;
+    computed once per layout and the knobs the schedule reads)."""
+    return _balanced_partials(tokens, hidden, inter, experts, top_k, shared_inter, SMS, WARPS, BALANCE_SHARED)
 
-    def most(n: int, total: int) -> int:
-        return min(n, -(-n // max(1, total // min(grid, total))) + 1)
-    return max(most(ns, us) if us else 0, most(nr, us + ur))
+
+@functools.cache
+def _balanced_partials(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
+                       *knobs: object) -> int:
+    ks1s = call_splits(tokens, hidden, inter, experts, top_k, shared_inter)[1]
+    most = ks1s if shared_inter else 1
+    for touched in range(1, min(experts, tokens * top_k) + 1):
+        segs = balanced_segments(tokens, hidden, inter, experts, top_k, shared_inter, touched)
+        most = max(most, *(s[2] for cta in segs for s in cta))
+    return most
 
 
 def balanced_fc1(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> bool:
     """Whether :func:`moe_decode_mma` runs FC1 balanced (:data:`BALANCE_FC1`) for T tokens of this layout: on, the
-    build of one column group (T <= 8), no FC1 probe or prefetch (:data:`TIMELINE`, :data:`PREFETCH_FC2`), and every
-    segment's K range (at most ceil(units / grid) units, with every slot's expert touched) staged for T tokens
-    within FC1's shared memory (:func:`_fc1_smem`; and units x grid < 2^31: the kernel's 32-bit arithmetic)."""
+    build of one column group (T <= 8), no FC1 probe or prefetch (:data:`TIMELINE`, :data:`PREFETCH_FC2`), a wave
+    holding more CTAs than the shared expert has items, every routed segment's K range (every slot's expert touched)
+    staged for T tokens within FC1's shared memory (:func:`_fc1_smem`), and the kernel's 32-bit arithmetic safe."""
     if not BALANCE_FC1 or _wide(tokens) or TIMELINE or PREFETCH_FC2:
         return False
-    us, ns, ur, nr = _units(hidden, inter, shared_inter)
-    total = us + min(experts, tokens * top_k) * ur
-    grid = _balanced_grid(tokens, hidden, inter, experts, top_k, shared_inter)
-    longest = -(-total // grid)
-    staged = max(min(nr, longest) * 256, min(ns, longest) * 128 if us else 0)
-    return tokens * (staged + 4) * 2 <= _fc1_smem(hidden, shared_inter, _nt(tokens)) and total * grid < 2**31
+    n_slots = min(experts, tokens * top_k)
+    grid, gs, a, r, go, per = _balanced_plan(tokens, hidden, inter, experts, top_k, shared_inter, n_slots)
+    if grid <= gs or (r + gs * a) * 4608 >= 2**31:
+        return False
+    longest = min(per, max(a, -(-r // go)))
+    return tokens * (longest * 256 + 4) * 2 <= _fc1_smem(hidden, shared_inter, _nt(tokens))
 
 
 def decode_grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
@@ -447,7 +453,7 @@ def decode_grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
     splits = call_splits(tokens, hidden, inter, experts, top_k, shared_inter)
     fc1, fc2 = _grids(tokens, hidden, inter, experts, top_k, shared_inter, splits)
     if balanced_fc1(tokens, hidden, inter, experts, top_k, shared_inter):
-        fc1 = _balanced_grid(tokens, hidden, inter, experts, top_k, shared_inter)
+        fc1 = one_wave(tokens, hidden, inter, shared_inter)[0]
     return fc1, fc2
 
 

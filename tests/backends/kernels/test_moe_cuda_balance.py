@@ -1,6 +1,6 @@
-"""``moe_cuda.BALANCE_FC1``: FC1's weight units balanced over one wave (``cuda/moe_decode_balanced.cuh``). On the
-CPU: the host's twin of the kernel's schedule (every unit once, each row block's partials dense and within h's
-bound, equal units per CTA), the launches a call makes (meta tensors), and the offline build (no 64-bit division
+"""``moe_cuda.BALANCE_FC1``: FC1 as one wave, the shared expert's items as the plain grid's and the routed units
+balanced around them (``cuda/moe_decode_balanced.cuh``). On the CPU: the host's twin of the kernel's schedule (every
+routed unit once, each row block's partials dense and within h's bound, the CTAs' bytes level), the launches a call makes (meta tensors), and the offline build (no 64-bit division
 subroutine, no local memory in the weight loops). On the GPU: the decode against the reference and the plain grid,
 hot and invalid routing, graph replays."""
 
@@ -18,19 +18,19 @@ from m3c.backends.kernels import moe_cuda
 SMALL = (6144, 1536, 64, 8, 1536)  # m3.1-small: H, I, E, top-k, S
 
 
-def _check_schedule(hidden: int, inter: int, shared: int, touched: int, grid: int) -> list[int]:
-    """Assert the twin's schedule covers every unit once with dense, consecutive partials per row block; return the
-    units each CTA streams."""
-    us, ns, ur, nr = moe_cuda._units(hidden, inter, shared)
-    total = us + touched * ur
-    segs = moe_cuda.balanced_segments(hidden, inter, shared, touched, grid)
+def _check_schedule(t: int, layout: tuple[int, int, int, int, int], touched: int) -> list[int]:
+    """Assert the twin's routed schedule covers every unit once with dense, consecutive partials per row block, and
+    that the CTAs' bytes are balanced; return the routed units each CTA streams."""
+    hidden, inter, experts, top_k, shared = layout
+    grid, gs, a, r, go, per = moe_cuda._balanced_plan(t, *layout, touched)
+    segs = moe_cuda.balanced_segments(t, *layout, touched)
+    assert len(segs) == grid > gs
     seen: dict[int, list[tuple[int, int, int, int, int]]] = {}  # row block -> (partial, count, first, units, cta)
     for c, cta in enumerate(segs):
         for block, part, count, first, units in cta:
             seen.setdefault(block, []).append((part, count, first, units, c))
-    assert len(seen) == us // ns + touched * (ur // nr if nr else 0)
+    assert sorted(seen) == list(range(touched * (2 * inter // 128)))
     for block, parts in seen.items():
-        per = ns if block < 0 else nr
         parts.sort()
         assert [p for p, *_ in parts] == list(range(len(parts))), block  # dense partials 0..count-1
         assert {n for _, n, *_ in parts} == {len(parts)}, block  # every segment knows the block's count
@@ -42,21 +42,24 @@ def _check_schedule(hidden: int, inter: int, shared: int, touched: int, grid: in
             pos += units
         assert pos == per, block
     units = [sum(s[4] for s in cta) for cta in segs]
-    assert sum(units) == total
+    assert sum(units) == touched * (2 * inter // 128) * per
+    assert units[:gs] == [a] * gs  # each shared CTA: its item and A routed units
+    others = units[gs:gs + go]
+    assert min(others) >= 1 and max(others) - min(others) <= 1 and not any(units[gs + go:])
+    if shared and a:  # a shared CTA's bytes within a unit of the others' (its item in routed units: e)
+        e = (hidden // (gs // (2 * shared // 128))) * 33 / 4608
+        assert a + e <= max(others) + 1 and a + e + 1 >= min(others)
     return units
 
 
-@pytest.mark.parametrize("hidden, inter, shared, touched, grid", [
-    (6144, 1536, 1536, 8, 528), (6144, 1536, 1536, 19, 528), (6144, 1536, 1536, 0, 528), (6144, 1536, 1536, 1, 528),
-    (6144, 1536, 0, 3, 528), (1024, 256, 256, 5, 600), (1024, 256, 512, 2, 7), (512, 256, 0, 1, 1000)])
-def test_schedule_streams_every_unit_once(hidden: int, inter: int, shared: int, touched: int, grid: int) -> None:
-    """The twin of fc1_balanced's schedule: each unit once, each row block's partials dense (0..count - 1, one
-    consecutive CTA each, K ranges in order), CTAs of equal units within one, as many as there are units at most."""
-    units = _check_schedule(hidden, inter, shared, touched, grid)
-    busy = [u for u in units if u]
-    assert max(busy) - min(busy) <= 1
-    us, _, ur, _ = moe_cuda._units(hidden, inter, shared)
-    assert len(busy) == min(grid, us + touched * ur)
+@pytest.mark.parametrize("t, layout, touched", [
+    (1, SMALL, 8), (4, SMALL, 19), (4, SMALL, 32), (2, SMALL, 1), (1, (6144, 1536, 64, 8, 0), 8),
+    (3, (1024, 256, 16, 4, 256), 9), (1, (1024, 512, 16, 4, 1024), 4), (4, (512, 256, 8, 2, 0), 1)])
+def test_schedule_streams_every_routed_unit_once(t: int, layout: tuple[int, int, int, int, int],
+                                                 touched: int) -> None:
+    """The twin of fc1_balanced's schedule: each routed unit once, each row block's partials dense (0..count - 1,
+    one consecutive CTA each, K ranges in order), the shared CTAs' bytes (item + A units) level with the others'."""
+    _check_schedule(t, layout, touched)
 
 
 def test_schedule_random_layouts_within_the_partial_bound(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,17 +67,18 @@ def test_schedule_random_layouts_within_the_partial_bound(monkeypatch: pytest.Mo
     partials than h holds (balanced_partials, for the grid a call launches)."""
     monkeypatch.setattr(moe_cuda, "BALANCE_FC1", True)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    for _ in range(40):
+    for _ in range(30):
         hidden = 256 * int(torch.randint(1, 25, (), generator=gen))
-        inter = 128 * int(torch.randint(1, 17, (), generator=gen))
-        shared = 128 * int(torch.randint(0, 17, (), generator=gen))
-        experts, top_k = 64, 8
+        layout = (hidden, 128 * int(torch.randint(1, 17, (), generator=gen)), 64, 8,
+                  128 * int(torch.randint(0, 9, (), generator=gen)))
         t = int(torch.randint(1, 5, (), generator=gen))
-        touched = int(torch.randint(0, min(experts, t * top_k) + 1, (), generator=gen))
-        grid = moe_cuda._balanced_grid(t, hidden, inter, experts, top_k, shared)
-        _check_schedule(hidden, inter, shared, touched, grid)
-        most = max(s[2] for cta in moe_cuda.balanced_segments(hidden, inter, shared, touched, grid) for s in cta)
-        assert most <= moe_cuda.balanced_partials(t, hidden, inter, experts, top_k, shared), (hidden, inter, shared)
+        grid, gs = moe_cuda._balanced_plan(t, *layout, 1)[:2]
+        if grid <= gs:
+            continue
+        touched = int(torch.randint(1, min(64, t * 8) + 1, (), generator=gen))
+        _check_schedule(t, layout, touched)
+        most = max(s[2] for cta in moe_cuda.balanced_segments(t, *layout, touched) for s in cta)
+        assert most <= moe_cuda.balanced_partials(t, *layout), layout
 
 
 def test_balanced_launches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,7 +94,7 @@ def test_balanced_launches(monkeypatch: pytest.MonkeyPatch) -> None:
         if not balanced:
             continue
         assert grid == (moe_cuda.one_wave(t, *SMALL[:2], SMALL[4])[0],) == (528,)
-        assert args["h"].shape[0] == moe_cuda.balanced_partials(t, *SMALL) >= 2
+        assert args["h"].shape[0] == moe_cuda.balanced_partials(t, *SMALL) >= args["KSs"]
         assert args["nseg"].numel() == 64 * 3072 // 128 + 3072 // 128
         act = launches["moe_act"][2]
         assert act["nseg"] is args["nseg"] and act["ids"] is args["ids"] and act["E"] == 64

@@ -1,100 +1,125 @@
-// BALANCE (moe_cuda.BALANCE_FC1): FC1 as one wave of CTAs that each stream the same number of weight units, so every
-// SM carries the same bytes and its streams end together (moe_decode_mma.cu's plain grid gives some SMs three long
-// CTAs and one short one, and a CTA streams at most ~8-10 GB/s: benchmarks/RESULTS.md session 34), and act summing
-// each row block's partials however many CTAs shared it. Included by moe_decode_mma.cu after fc1_item's helpers.
+// BALANCE (moe_cuda.BALANCE_FC1): FC1 as one wave in which every CTA carries about the same weight bytes and every SM
+// the plain grid's decode mix, and act summing each row block's partials however many CTAs shared it. Included by
+// moe_decode_mma.cu after fc1_item's helpers.
 //
-// Units: 128 weight rows x one super-chunk of K (the shared expert's MXFP8: 128 K, ~16.5 KB; a routed expert's NVFP4:
-// 256 K, ~18 KB), numbered shared expert first (row block major, K minor), then each touched expert in expert order
-// (the same). With U units and G CTAs (G <= U), CTA c streams units [c U / G, (c + 1) U / G): a segment per row
-// block it meets, each a K range of that block. A row block's segments go to consecutive CTAs; the i-th of them
-// writes the block's partial i (h[i, pair, row], as a K split's) and the first also writes their count to nseg, which
-// moe_act reads. moe_cuda.balanced_segments is the host's twin of this arithmetic (tests, workspace bounds).
-// Off (moe_cuda.BALANCE_FC1): on the H200 FC1 measured 5-7 us slower at T = 1..4 (benchmarks/RESULTS.md, session 35).
+// CTA c < Gs runs the shared expert's item c exactly as fc1_item does (row block c / KSs, K split c % KSs, before
+// grid_wait(): no routing needed), then A routed units; the other G - Gs CTAs share the remaining routed units
+// evenly (c U / G over them). A routed unit is 128 rows x a 256-K super-chunk of a touched expert (touched experts in
+// expert order, row block major, K minor); A is the whole units that bring a shared CTA's bytes up to the mean (the
+// shared item's MXFP8 bytes counted as 33 / 32 of a byte a weight against 9 / 16 for NVFP4). A routed row block's
+// segments go to consecutive CTAs; the i-th writes its partial i (h[i, pair, row]) and the first writes their count
+// to nseg, which moe_act reads. moe_cuda.balanced_segments is the host's twin of this arithmetic.
+// History (benchmarks/RESULTS.md session 35): a first version spread every unit, the shared expert's first, evenly
+// over the CTAs; FC1 measured 5-7 us slower at T = 1..4, with the loads alone nearly as fast, so the likely loss was
+// SMs holding only NVFP4 CTAs (about twice the SASS instructions a byte of MXFP8). This one keeps each SM's mix.
 #pragma once
-
-// The CTA whose range holds unit u: the largest c with c U / G <= u (32-bit: moe_cuda keeps U G < 2^31).
-__device__ __forceinline__ int span_owner(int u, int U, int G) { return ((u + 1) * G - 1) / U; }
 
 // FC1_BAL_PARAMS / FC1_BAL_ARGS: what fc1_balanced and its segments take.
 #define FC1_BAL_PARAMS                                                                                           \
   const void *x, const u16 *x16, const float *xmult, int T, const long long *ids, int topk, int E, const u8 *rcode, \
-      const u8 *rscale, const float *rrow, int rows, const u8 *scode, const u8 *sscale, int srows, int H, float *h, \
-      int P, int ROWS, int *nseg
-#define FC1_BAL_ARGS x, x16, xmult, T, ids, topk, E, rcode, rscale, rrow, rows, scode, sscale, srows, H, h, P, ROWS, nseg
+      const u8 *rscale, const float *rrow, int rows, const u8 *scode, const u8 *sscale, int srows, int H, int KSs,  \
+      float *h, int P, int ROWS, int *nseg
+#define FC1_BAL_ARGS \
+  x, x16, xmult, T, ids, topk, E, rcode, rscale, rrow, rows, scode, sscale, srows, H, KSs, h, P, ROWS, nseg
 
-// The schedule (balanced_segment reads it back volatile each segment: held in registers across the GEMVs, it
-// spilled into their loops): units of the shared expert, all units, the grid, the CTA's next and end unit, a routed
-// expert's row blocks.
+// The routed schedule, set once by thread 0 after the routing and read back volatile each segment (held in
+// registers across the GEMVs, such values spilled into their loops): units a shared CTA takes (A), shared CTAs (Gs),
+// the units left for the others (R) over Go CTAs, the CTA's next and end unit, a routed expert's row blocks.
 struct Plan {
-  int Us, U, G, u, u1, Rr;
+  int A, Gs, R, Go, u, u1, Rr;
 };
 
-// The CTA's next segment, of the shared expert (SH) or a routed one: its row block's partial ks of KS over the K
-// range from its next unit to the block's end or the CTA's; false when the CTA's units of that kind are done.
-template <bool SH>
+// The first routed unit of CTA c (c <= Gs + Go: the end of the last).
+__device__ __forceinline__ int plan_start(const volatile Plan* p, int c) {
+  return c <= p->Gs ? c * p->A : p->Gs * p->A + (c - p->Gs) * p->R / p->Go;
+}
+
+// The CTA whose routed units hold unit u: the largest c with plan_start(c) <= u among CTAs that have any.
+__device__ __forceinline__ int plan_owner(const volatile Plan* p, int u) {
+  const int front = p->Gs * p->A;
+  if (u < front) return u / p->A;
+  return p->Gs + ((u - front + 1) * p->Go - 1) / p->R;  // (the largest d with d R / Go <= u - front)
+}
+
+// The CTA's next routed segment: its row block's partial ks of KS over the K range from its next unit to the block's
+// end or the CTA's; false when the CTA's units are done.
 __device__ __forceinline__ bool balanced_segment(Plan* plan, const u32* flags, int* pair, int* tok, int* cnt,
-                                                 u32* masks, float* mult, float* down, FC1_BAL_PARAMS) {
+                                                 u32* masks, float* mult, FC1_BAL_PARAMS) {
   extern __shared__ __align__(16) u8 smem[];
-  constexpr int cta = 32 * WARPS, sck = SH ? 128 : 256;
+  constexpr int cta = 32 * WARPS;
   const volatile Plan* v = plan;
-  const int Us = v->Us, U = v->U, G = v->G, u = v->u, u1 = SH ? min(v->u1, Us) : v->u1, Rr = v->Rr;
+  const int u = v->u, u1 = v->u1, Rr = v->Rr, per = H / 256;
   if (u >= u1) return false;
-  const int per = H / sck, q = SH ? u / per : (u - Us) / per;  // the row block (the touched experts' in order)
-  const int base = SH ? q * per : Us + q * per, end = min(base + per, u1), first = span_owner(base, U, G);
+  const int q = u / per, base = q * per, end = min(base + per, u1), first = plan_owner(v, base);
   Block b;
-  b.expert = SH ? -1 : nth_touched(flags, E, q / Rr);
-  __builtin_assume(SH || b.expert >= 0);  // (q / Rr < the touched count: a routed segment runs the NVFP4 stream)
-  b.row0 = (SH ? q : q % Rr) * cta;
+  b.expert = nth_touched(flags, E, q / Rr);
+  __builtin_assume(b.expert >= 0);  // (q / Rr < the touched count)
+  b.row0 = q % Rr * cta;
   b.ks = (int)blockIdx.x - first;
-  b.KS = span_owner(base + per - 1, U, G) - first + 1;
-  b.grp = SH ? 0 : -1;
-  const int k0 = (u - base) * sck, Kc = (end - u) * sck;
+  b.KS = plan_owner(v, base + per - 1) - first + 1;
+  b.grp = -1;
+  const int k0 = (u - base) * 256, Kc = (end - u) * 256;
   __syncthreads();  // every thread has read the plan, and the previous segment's epilogue pair / tok / xs / mult
   if (threadIdx.x == 0) {
     plan->u = end;  // (read after find_tokens' barriers)
-    if (u == base) nseg[SH ? E * Rr + q : b.expert * Rr + q % Rr] = b.KS;
+    if (u == base) nseg[b.expert * Rr + q % Rr] = b.KS;
   }
-  prefetch_first(b, SH ? srows : rows, H, Kc, rcode, scode, k0);  // (as fc1_item: L2 fetches while tokens stage)
+  prefetch_first(b, rows, H, Kc, rcode, scode, k0);  // (as fc1_item: L2 fetches while the tokens stage)
   find_tokens(pair, tok, cnt, masks, ids, T, topk, b.expert);
   u16* xs = (u16*)smem;
-  staged(
-      [&] {
-        if (SH) {
-          stage_direct(x, 0, T, H, k0, Kc, xs, mult, down);
-        } else {
-          stage_rows(x16, xmult, tok, *cnt, H, k0, Kc, xs, mult);
-        }
-      },
-      [&](const auto& stage) {
-        run_cols(b, SH ? srows : rows, H, Kc, Cols{pair, tok, *cnt}, xs, mult, rcode, rscale, rrow, scode, sscale,
-                 nullptr, h + (long)b.ks * P * ROWS, ROWS, stage, k0);
-      });
+  staged([&] { stage_rows(x16, xmult, tok, *cnt, H, k0, Kc, xs, mult); },
+         [&](const auto& stage) {
+           run_cols(b, rows, H, Kc, Cols{pair, tok, *cnt}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
+                    h + (long)b.ks * P * ROWS, ROWS, stage, k0);
+         });
   return true;
 }
 
-// FC1 with the weight units balanced over the grid (see the top of this file); after grid_wait() (the unit count
-// needs the routing): the CTA's shared-expert segments, then its routed ones. nseg: a count per row block, routed
-// expert e's at e (rows / 128) + block, the shared expert's after the E experts'.
+// FC1 balanced (see the top of this file). nseg: a partial count per row block, routed expert e's at e (rows / 128)
+// + block, the shared expert's after the E experts'.
 __device__ void fc1_balanced(FC1_BAL_PARAMS) {
+  extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
   __shared__ float mult[MAXT], down[MAXT];
   __shared__ int pair[TMAX], tok[TMAX], cnt;
   __shared__ Plan plan;
-  grid_launch_dependents();  // moe_act waits for all of FC1
-  grid_wait();
   constexpr int cta = 32 * WARPS;
-  touched_flags(flags, ids, T * topk, E);
+  const int c = blockIdx.x, Gs = srows / cta * KSs;
+  grid_launch_dependents();  // moe_act waits for all of FC1
+  if (c < Gs) {  // the shared expert's item c, as fc1_item's (its GEMV before grid_wait(), inside run_tiles' wait)
+    Block b;
+    b.expert = -1;
+    b.row0 = c / KSs * cta;
+    b.ks = c % KSs;
+    b.KS = KSs;
+    b.grp = 0;
+    const int Kc = H / KSs;
+    prefetch_first(b, srows, H, Kc, rcode, scode);
+    find_tokens(pair, tok, &cnt, masks, ids, T, topk, -1);
+    u16* xs = (u16*)smem;
+    staged([&] { stage_direct(x, 0, T, H, b.ks * Kc, Kc, xs, mult, down); },
+           [&](const auto& stage) {
+             run_cols(b, srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
+                      h + (long)b.ks * P * ROWS, ROWS, stage);
+           });
+    if (threadIdx.x == 0 && b.ks == 0) nseg[E * (rows / cta) + c / KSs] = KSs;
+  }
+  grid_wait();
+  touched_flags(flags, ids, T * topk, E);  // (its first barrier: the shared item's epilogue is done with pair / tok)
   if (threadIdx.x == 0) {
-    const int c = blockIdx.x;
     int n = 0;
     for (int w = 0; w < (E + 31) / 32; ++w) n += __popc(flags[w]);
-    const int Us = srows / cta * (H / 128), U = Us + n * (rows / cta) * (H / 256), G = min((int)gridDim.x, U);
-    plan = Plan{Us, U, G, c < G ? c * U / G : U, c < G ? (c + 1) * U / G : U, rows / cta};
+    // (moe_cuda launches more CTAs than shared items.) Whole units a shared CTA takes so its bytes reach the mean:
+    // (Ur + Gs e) / G - e, e = the shared item's bytes in routed units ((H / KSs) x 33 / 32 over 256 x 9 / 16 a row)
+    const int Ur = n * (rows / cta) * (H / 256), G = gridDim.x;
+    const int A = max(0, (Ur * 4608 - (G - Gs) * (H / KSs) * 33) / (G * 4608)), R = Ur - Gs * A;
+    plan = Plan{A, Gs, R, min(G - Gs, max(R, 1)), 0, 0, rows / cta};  // (Go <= R: no other CTA goes empty)
+    const bool runs = c < Gs + plan.Go;  // (CTAs past the Go others: none left, when R < G - Gs)
+    plan.u = runs ? plan_start(&plan, c) : Ur;
+    plan.u1 = runs ? plan_start(&plan, c + 1) : Ur;
   }
   __syncthreads();
-  while (balanced_segment<true>(&plan, flags, pair, tok, &cnt, masks, mult, down, FC1_BAL_ARGS)) {
-  }
-  while (balanced_segment<false>(&plan, flags, pair, tok, &cnt, masks, mult, down, FC1_BAL_ARGS)) {
+  while (balanced_segment(&plan, flags, pair, tok, &cnt, masks, mult, FC1_BAL_ARGS)) {
   }
 }
 
