@@ -21,8 +21,8 @@ SMALL = (6144, 1536, 64, 8, 1536)  # m3.1-small: H, I, E, top-k, S
 def _check_schedule(t: int, layout: tuple[int, int, int, int, int], touched: int) -> list[int]:
     """Assert the twin's routed schedule covers every unit once with dense, consecutive partials per row block, and
     that the CTAs' bytes are balanced; return the routed units each CTA streams."""
-    hidden, inter, experts, top_k, shared = layout
-    grid, gs, a, r, go, per = moe_cuda._balanced_plan(t, *layout, touched)
+    hidden, inter, _, _, shared = layout
+    grid, gs, a, _, go, per = moe_cuda._balanced_plan(t, *layout, touched)
     segs = moe_cuda.balanced_segments(t, *layout, touched)
     assert len(segs) == grid > gs
     seen: dict[int, list[tuple[int, int, int, int, int]]] = {}  # row block -> (partial, count, first, units, cta)
