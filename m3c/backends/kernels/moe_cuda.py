@@ -376,7 +376,8 @@ def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
 def _balanced_plan(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
                    touched: int) -> tuple[int, int, int, int, int, int]:
     """``fc1_balanced``'s schedule (:data:`BALANCE_FC1`) for `touched` experts: (grid G, shared items Gs, routed units
-    A a shared CTA takes, routed units R left to the other Go CTAs, all routed units, units a routed row block)."""
+    A a shared CTA takes, routed units R left to the others, the Go other CTAs that get any, units a routed row
+    block)."""
     rows = _rows_per_cta()
     ks1s = call_splits(tokens, hidden, inter, experts, top_k, shared_inter)[1]
     grid = one_wave(tokens, hidden, inter, shared_inter)[0]
