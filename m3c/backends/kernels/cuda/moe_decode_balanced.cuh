@@ -186,8 +186,8 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
   grid_launch_dependents();  // after the wait: FC2 reads the routing before its own (see moe_decode_mma.cu's top)
   const int p = blockIdx.x, Rr = 2 * I / (32 * WARPS);
   const int K = p < routed_pairs ? I : S;
-  const long long e = p < routed_pairs ? ids[p] : E;
-  const int* cnts = e >= 0 && e <= E ? nseg + e * Rr : nullptr;
+  const long long e = p < routed_pairs ? ids[p] : E;  // (the shared expert's counts follow the E experts')
+  const int* cnts = p >= routed_pairs || (e >= 0 && e < E) ? nseg + e * Rr : nullptr;  // (an id of E: no row there)
   float v[8];
   float m = 0.f;
   act_row_n(h + (long)p * ROWS, (long)P * ROWS, K, cnts, v, m);
