@@ -136,15 +136,17 @@ def test_balanced_build_in_sass() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t, hot, invalid", [(1, 0, False), (2, 2, False), (3, 0, True), (4, 4, False),
-                                             (4, 0, False)])
-def test_balanced_decode_gpu(t: int, hot: int, invalid: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """m3.1-small, fresh tokens and routing (`hot` tokens on expert 0; `invalid`: one id out of range, its token
-    NaN): the balanced FC1's output is near the reference and the plain grid's (the K sums split otherwise), equal
-    call after call (deterministic), and replayed from a CUDA graph with new tokens."""
+@pytest.mark.parametrize("t, hot, invalid, shared", [(1, 0, False, "mxfp8"), (2, 2, False, "mxfp8"),
+                                                     (3, 0, True, "mxfp8"), (4, 4, False, "mxfp8"),
+                                                     (4, 0, False, "mxfp8"), (3, 0, True, "none")])
+def test_balanced_decode_gpu(t: int, hot: int, invalid: bool, shared: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """m3.1-small (or without its shared expert), fresh tokens and routing (`hot` tokens on expert 0; `invalid`: one
+    id out of range, its token NaN): the balanced FC1's output is near the reference and the plain grid's (the K sums
+    split otherwise), equal call after call (deterministic), and replayed from a CUDA graph with new tokens."""
     from m3c.fused.moe import hot_routing
 
-    moe, mm, x, _, _ = _case(t, *SMALL[:4], "mxfp8", torch.bfloat16)
+    layout = (*SMALL[:4], SMALL[4] if shared != "none" else 0)
+    moe, mm, x, _, _ = _case(t, *SMALL[:4], shared, torch.bfloat16)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     ids, w = hot_routing(t, 64, 8, hot, gen, "cuda")
     if invalid:
@@ -153,7 +155,7 @@ def test_balanced_decode_gpu(t: int, hot: int, invalid: bool, monkeypatch: pytes
 
     def run(tokens: torch.Tensor, on: bool) -> torch.Tensor:
         monkeypatch.setattr(moe_cuda, "BALANCE_FC1", on)
-        assert moe_cuda.call_build(t, *SMALL)[3] == on
+        assert moe_cuda.call_build(t, *layout)[3] == on
         out = torch.full_like(tokens, float("nan"))
         return moe_cuda.moe_decode_mma(tokens, ids, w, w13, w2, s13, s2, out=out)
 
