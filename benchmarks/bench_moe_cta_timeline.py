@@ -9,7 +9,8 @@ slower at T = 1, against a predicted 1.5-3 µs gain, so "FC1's tail leaves HBM i
 59 µs at T = 1 are made of before building FC1 + FC2 in one launch.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_cta_timeline.py [--tokens 1,4,16] [--bin 1.0] [--knob QUEUE=1]
-(``--knob``: a moe_cuda int / bool knob for both builds; with QUEUE the FC1 / FC2 rows are moe_experts' items).
+(``--knob``: a moe_cuda int / bool knob for both builds; with QUEUE the FC1 / FC2 rows are moe_experts' items; with
+BALANCE_FC1 each FC1 row is a balanced CTA, expert -4, its K range the NVFP4-equivalent of all its bytes).
 The probe's stamps change the kernels a little (T = 16's FC2 spills 8 bytes); its graph time is printed beside the
 plain build's.
 """

@@ -146,7 +146,7 @@ acquire() {  # ACQUIRE_LAST (the folds' arrivals release; the last CTA alone acq
 
 balance() {  # moe_cuda.BALANCE_FC1 (FC1's weight units balanced over one wave, T <= 4): its GPU tests first, then a
   # same-run A/B (BAL_REPS alternations) at BAL_TOKENS (T = 8 does not balance: the same build both ways, a control),
-  # each also with DECODE=2 (the weight loads alone: what the schedule streams without the math)
+  # each also with DECODE=2 (the weight loads alone: what the schedule streams without the math), then its timeline
   timeout 200 python -m pytest -m gpu -v -p no:cacheprovider tests/backends/kernels/test_moe_cuda_balance.py \
     > "$OUT/t_balance.log" 2>&1
   local rc=$?; mark balance_tests; tail -3 "$OUT/t_balance.log"
@@ -154,6 +154,9 @@ balance() {  # moe_cuda.BALANCE_FC1 (FC1's weight units balanced over one wave, 
   ab balance_ab "${BAL_REPS:-3}" "${BAL_TOKENS:-1,2,4,8}" 90 "bal0=--knob BALANCE_FC1=0 --kernels" \
     "bal1=--knob BALANCE_FC1=1 --kernels" "bal0_loads=--knob BALANCE_FC1=0 --knob DECODE=2 --kernels" \
     "bal1_loads=--knob BALANCE_FC1=1 --knob DECODE=2 --kernels"
+  timeout 120 python benchmarks/bench_moe_cta_timeline.py --tokens 1,4 --knob BALANCE_FC1=1 \
+    > "$OUT/cta_timeline_balance.txt" 2>&1
+  mark balance_timeline; grep -E '^T =' "$OUT/cta_timeline_balance.txt"
 }
 
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM

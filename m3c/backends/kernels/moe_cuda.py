@@ -434,10 +434,10 @@ def _balanced_partials(tokens: int, hidden: int, inter: int, experts: int, top_k
 
 def balanced_fc1(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> bool:
     """Whether :func:`moe_decode_mma` runs FC1 balanced (:data:`BALANCE_FC1`) for T tokens of this layout: on, the
-    build of one column group (T <= 8), no FC1 probe or prefetch (:data:`TIMELINE`, :data:`PREFETCH_FC2`), a wave
+    build of one column group (T <= 8), no FC2 prefetch from FC1 (:data:`PREFETCH_FC2`), a wave
     holding more CTAs than the shared expert has items, every routed segment's K range (every slot's expert touched)
     staged for T tokens within FC1's shared memory (:func:`_fc1_smem`), and the kernel's 32-bit arithmetic safe."""
-    if not BALANCE_FC1 or _wide(tokens) or TIMELINE or PREFETCH_FC2:
+    if not BALANCE_FC1 or _wide(tokens) or PREFETCH_FC2:
         return False
     n_slots = min(experts, tokens * top_k)
     grid, gs, a, r, go, per = _balanced_plan(tokens, hidden, inter, experts, top_k, shared_inter, n_slots)
@@ -495,7 +495,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT and not balance,
                       fold and FOLD_COMBINE, PREFETCH_FC2 if fold and not wide and not balance else 0,
-                      TIMELINE and not balance,
+                      TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2 and not balance,
                       ACQUIRE_LAST and fold, balance)
 

@@ -180,3 +180,18 @@ def test_balanced_decode_gpu(t: int, hot: int, invalid: bool, shared: str, monke
         out.fill_(float("nan"))
         graph.replay()
         assert same(out, run(new, True)), scale
+
+
+def test_balanced_build_takes_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TIMELINE the balanced FC1 is a probe build too (``bench_moe_cta_timeline.py``): it takes `tl` after
+    `nseg`, a [grid, 8] int64 tensor, and its SASS reads the global timer; the plain balanced build does not."""
+    monkeypatch.setattr(moe_cuda, "BALANCE_FC1", True)
+    for on in (False, True):
+        monkeypatch.setattr(moe_cuda, "TIMELINE", on)
+        spec, grid, args = _launches(1, *SMALL)["moe_fc1"]
+        assert ("BALANCE", 1) in spec.defines and ("TIMELINE" in dict(spec.defines)) == on
+        names = [n for n, _ in spec.arg_types]
+        assert names[-2:] == (["nseg", "tl"] if on else names[-2:]) and names[-1] == ("tl" if on else "nseg")
+        if on:
+            assert tuple(args["tl"].shape) == (grid[0], 8)
+        assert ("SR_GLOBALTIMERLO" in kernel_sass(spec)) == on

@@ -18,9 +18,9 @@
 #define FC1_BAL_PARAMS                                                                                           \
   const void *x, const u16 *x16, const float *xmult, int T, const long long *ids, int topk, int E, const u8 *rcode, \
       const u8 *rscale, const float *rrow, int rows, const u8 *scode, const u8 *sscale, int srows, int H, int KSs,  \
-      float *h, int P, int ROWS, int *nseg
+      float *h, int P, int ROWS, TL_PARAM int *nseg
 #define FC1_BAL_ARGS \
-  x, x16, xmult, T, ids, topk, E, rcode, rscale, rrow, rows, scode, sscale, srows, H, KSs, h, P, ROWS, nseg
+  x, x16, xmult, T, ids, topk, E, rcode, rscale, rrow, rows, scode, sscale, srows, H, KSs, h, P, ROWS TL_ARG, nseg
 
 // The routed schedule, set once by thread 0 after the routing and read back volatile each segment (held in
 // registers across the GEMVs, such values spilled into their loops): units a shared CTA takes (A), shared CTAs (Gs),
@@ -67,11 +67,16 @@ __device__ __forceinline__ bool balanced_segment(Plan* plan, const u32* flags, i
   prefetch_first(b, rows, H, Kc, rcode, scode, k0);  // (as fc1_item: L2 fetches while the tokens stage)
   find_tokens(pair, tok, cnt, masks, ids, T, topk, b.expert);
   u16* xs = (u16*)smem;
+#if TIMELINE  // (the probe: a CTA's first staging, the end of its last GEMV, its bytes as NVFP4-equivalent K)
+  if ((int)blockIdx.x >= v->Gs && u == plan_start(v, blockIdx.x)) STAMP(1);
+  if (threadIdx.x == 0) tl[7] += Kc;
+#endif
   staged([&] { stage_rows(x16, xmult, tok, *cnt, H, k0, Kc, xs, mult); },
          [&](const auto& stage) {
            run_cols(b, rows, H, Kc, Cols{pair, tok, *cnt}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
                     h + (long)b.ks * P * ROWS, ROWS, stage, k0);
          });
+  STAMP(2);
   return true;
 }
 
@@ -85,6 +90,8 @@ __device__ void fc1_balanced(FC1_BAL_PARAMS) {
   __shared__ Plan plan;
   constexpr int cta = 32 * WARPS;
   const int c = blockIdx.x, Gs = srows / cta * KSs;
+  STAMP_EXIT(c);
+  MARK(-4, 0, 0);  // (-4: a balanced CTA; slot 7 sums its K, the shared item's as NVFP4-equivalent 11 / 6 of it)
   grid_launch_dependents();  // moe_act waits for all of FC1
   if (c < Gs) {  // the shared expert's item c, as fc1_item's (its GEMV before grid_wait(), inside run_tiles' wait)
     Block b;
@@ -96,12 +103,17 @@ __device__ void fc1_balanced(FC1_BAL_PARAMS) {
     const int Kc = H / KSs;
     prefetch_first(b, srows, H, Kc, rcode, scode);
     find_tokens(pair, tok, &cnt, masks, ids, T, topk, -1);
+    STAMP(1);
+#if TIMELINE
+    if (threadIdx.x == 0) tl[7] += Kc * 11 / 6;
+#endif
     u16* xs = (u16*)smem;
     staged([&] { stage_direct(x, 0, T, H, b.ks * Kc, Kc, xs, mult, down); },
            [&](const auto& stage) {
              run_cols(b, srows, H, Kc, Cols{pair, tok, cnt}, xs, mult, rcode, rscale, rrow, scode, sscale, nullptr,
                       h + (long)b.ks * P * ROWS, ROWS, stage);
            });
+    STAMP(2);
     if (threadIdx.x == 0 && b.ks == 0) nseg[E * (rows / cta) + c / KSs] = KSs;
   }
   grid_wait();

@@ -85,7 +85,7 @@
 static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
 static_assert(16 % WARPS == 0 && WARPS <= 4, "the launch bounds count 16 warps an SM");
 static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one column group only");
-static_assert(BALANCE == 0 || (GROUPS == 1 && !FOLD_ACT && !QUEUE && !PREFETCH_FC2 && !TIMELINE),
+static_assert(BALANCE == 0 || (GROUPS == 1 && !FOLD_ACT && !QUEUE && !PREFETCH_FC2),
               "BALANCE: the builds of one column group, act launched");
 static_assert(QUEUE == 0 || (GROUPS == 1 && FOLD_ACT && FOLD_COMBINE && !PREFETCH_FC2),
               "QUEUE: the folded builds of one column group");
@@ -690,7 +690,7 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
 #if BALANCE
 #include "moe_decode_balanced.cuh"
 
-extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS int* nseg, void* scratch0, void* scratch1) {
+extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_OWN_PARAMS int* nseg, TL_PARAM void* scratch0, void* scratch1) {
   fc1_balanced(FC1_BAL_ARGS);
 }
 #else
