@@ -14,13 +14,10 @@
 // SMs holding only NVFP4 CTAs (about twice the SASS instructions a byte of MXFP8). This one keeps each SM's mix.
 #pragma once
 
-// FC1_BAL_PARAMS / FC1_BAL_ARGS: what fc1_balanced and its segments take.
-#define FC1_BAL_PARAMS                                                                                           \
-  const void *x, const u16 *x16, const float *xmult, int T, const long long *ids, int topk, int E, const u8 *rcode, \
-      const u8 *rscale, const float *rrow, int rows, const u8 *scode, const u8 *sscale, int srows, int H, int KSs,  \
-      float *h, int P, int ROWS, TL_PARAM int *nseg
-#define FC1_BAL_ARGS \
-  x, x16, xmult, T, ids, topk, E, rcode, rscale, rrow, rows, scode, sscale, srows, H, KSs, h, P, ROWS TL_ARG, nseg
+// FC1_BAL_PARAMS / FC1_BAL_ARGS: what fc1_balanced and its segments take: moe_fc1's arguments (FC1_OWN_*), the
+// probe's tl, nseg.
+#define FC1_BAL_PARAMS FC1_OWN_PARAMS TL_PARAM int *nseg
+#define FC1_BAL_ARGS FC1_OWN_ARGS TL_ARG, nseg
 
 // The routed schedule, set once by thread 0 after the routing and read back volatile each segment (held in
 // registers across the GEMVs, such values spilled into their loops): units a shared CTA takes (A), shared CTAs (Gs),
@@ -176,13 +173,7 @@ __device__ void act_row_n(const float* hp, long split, int K, const int* cnts, f
   for (int i = 0; i < 4; ++i) {
     const float ga[2] = {gs[i].x, gs[i].y}, ua[2] = {us[i].x, us[i].y};
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-#if ACT_BF16
-      v[2 * i + e] = silu_mul_bf16(ga[e], ua[e]);
-#else
-      v[2 * i + e] = ga[e] / (1.f + expf(-ga[e])) * ua[e];
-#endif
-    }
+    for (int e = 0; e < 2; ++e) v[2 * i + e] = silu_mul(ga[e], ua[e]);
     if (2 * (threadIdx.x + ACT_THREADS * i) >= K) v[2 * i] = v[2 * i + 1] = 0.f;
     m = fmaxf(m, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
   }

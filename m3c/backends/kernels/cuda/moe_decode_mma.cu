@@ -128,6 +128,15 @@ moe_stage_x(const void* x, int H, u16* x16, float* xmult, void* scratch0, void* 
   if (threadIdx.x == 0) xmult[n] = up;
 }
 
+// SiLU(gate) * up of one act value from its summed gate and up.
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+#if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
+  return silu_mul_bf16(gate, up);
+#else
+  return gate / (1.f + expf(-gate)) * up;
+#endif
+}
+
 // SiLU(gate) * up of pair row hp at columns k, k + 1 (k < K), gate / up summed over SPL K splits (read through L2:
 // with FOLD_ACT other CTAs of the same launch wrote them).
 template <int SPL>
@@ -147,13 +156,7 @@ __device__ __forceinline__ void act_pair(const float* hp, long split, int K, int
     us[1] += uv[s].y;
   }
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-#if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
-    v[e] = silu_mul_bf16(gs[e], us[e]);
-#else
-    v[e] = gs[e] / (1.f + expf(-gs[e])) * us[e];
-#endif
-  }
+  for (int e = 0; e < 2; ++e) v[e] = silu_mul(gs[e], us[e]);
 }
 
 #define ACT_THREADS 512  // moe_act's CTA: K <= 4096 is four value pairs a thread
@@ -170,10 +173,6 @@ __device__ void act_row(const float* hp, long split, int K, float (&v)[8], float
   }
 }
 
-// act16[p, :K] = f16(SiLU(gate) * up * 2^-e(p)), amult[p] = 2^e(p), gate / up summed over FC1's K splits of pair p
-// (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits 1, 2, 3, 4, 6 or 8).
-// One CTA of 512 threads per pair; each thread keeps its (<= 4) value pairs in registers (with 256 threads and 8
-// pairs a thread, T = 16 took 12 us: benchmarks/RESULTS.md, session 21).
 // moe_act's end: pair p's K values v (this thread's, largest magnitude m) scaled into act16 [p, :K], amult[p].
 __device__ __forceinline__ void act_store(const float (&v)[8], float m, int K, int p, int ROWS, u16* act16,
                                           float* amult, float* red) {
@@ -187,6 +186,10 @@ __device__ __forceinline__ void act_store(const float (&v)[8], float m, int K, i
   if (threadIdx.x == 0) amult[p] = up;
 }
 
+// act16[p, :K] = f16(SiLU(gate) * up * 2^-e(p)), amult[p] = 2^e(p), gate / up summed over FC1's K splits of pair p
+// (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits 1, 2, 3, 4, 6 or 8).
+// One CTA of 512 threads per pair; each thread keeps its (<= 4) value pairs in registers (with 256 threads and 8
+// pairs a thread, T = 16 took 12 us: benchmarks/RESULTS.md, session 21).
 #if !BALANCE  // (BALANCE: moe_decode_balanced.cuh's, which sums each row block's own count of partials)
 extern "C" __global__ void __launch_bounds__(ACT_THREADS)
 moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int I, int S, u16* act16,
