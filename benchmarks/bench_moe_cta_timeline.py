@@ -9,8 +9,9 @@ slower at T = 1, against a predicted 1.5-3 µs gain, so "FC1's tail leaves HBM i
 59 µs at T = 1 are made of before building FC1 + FC2 in one launch.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_moe_cta_timeline.py [--tokens 1,4,16] [--bin 1.0] [--knob QUEUE=1]
-(``--knob``: a moe_cuda int / bool knob for both builds; with QUEUE the FC1 / FC2 rows are moe_experts' items; with
-BALANCE_FC1 each FC1 row is a balanced CTA, expert -4, its K range the NVFP4-equivalent of all its bytes).
+[--tag _x]
+(``--knob``: a moe_cuda int / bool knob for both builds, e.g. DECODE=2 for the weight loads alone; with QUEUE the FC1 /
+FC2 rows are moe_experts' items; ``--tag``: a suffix for the JSON's name).
 The probe's stamps change the kernels a little (T = 16's FC2 spills 8 bytes); its graph time is printed beside the
 plain build's.
 """
@@ -44,6 +45,24 @@ def cta_rows(tl: torch.Tensor, kernel: str) -> list[dict]:
     return out
 
 
+def by_rank(cs: list[dict], rel) -> list[list[float]]:
+    """Per SM rank (a CTA's place, in grid order, among the CTAs its SM ran; grid order is the rows' order, and a
+    one-wave grid's rank r is mostly blocks 132 r ..): [CTAs with work, mean GB/s over staging + GEMV, mean exit µs].
+    Session 36: with equal bytes, later ranks stream slower (T = 1, FC1's routed CTAs 9.8 / 9.1 / 8.2 GB/s at ranks
+    1 / 2 / 3), so a wave's youngest CTAs end it."""
+    seen: dict[int, int] = {}
+    acc: dict[int, list[float]] = {}
+    for c in cs:
+        r = seen.get(c["sm"], 0)
+        seen[c["sm"]] = r + 1
+        if c["staged"]:
+            a = acc.setdefault(r, [0, 0.0, 0.0])
+            a[0] += 1
+            a[1] += c["bytes"] / max(c["gemv_end"] - c["staged"], 1)
+            a[2] += rel(c["exit"])
+    return [[a[0], a[1] / a[0], a[2] / a[0]] for _, a in sorted(acc.items())]
+
+
 def summarize(ctas: list[dict], bin_us: float) -> dict:
     """Spans, gap, phase medians, CTAs per SM and the bytes-in-flight curve (TB/s a bin) of one replay."""
     t0 = min(c["entry"] for c in ctas)
@@ -72,6 +91,7 @@ def summarize(ctas: list[dict], bin_us: float) -> dict:
             per_sm[c["sm"]] = per_sm.get(c["sm"], 0.0) + c["bytes"] / 1e3
         loads = sorted(per_sm.values())
         res[k].update({"sm_kb_min": loads[0], "sm_kb_median": med(loads), "sm_kb_max": loads[-1]})
+        res[k]["by_rank"] = by_rank(cs, rel)
     res["gap_us"] = res["moe_fc2"]["first_entry"] - res["moe_fc1"]["last_exit"]
     end = max(c["exit"] for c in ctas)
     nbins = int((end - t0) / 1e3 / bin_us) + 1
@@ -133,6 +153,9 @@ def show(r: dict, bin_us: float) -> None:
     print(f"  {'':<18}" + "".join(f"{k:>10}" for k in ("moe_fc1", "moe_fc2")))
     for k in keys:
         print(f"  {k:<18}" + "".join(f"{r[n][k]:>10.2f}" for n in ("moe_fc1", "moe_fc2")))
+    for n in ("moe_fc1", "moe_fc2"):
+        print(f"  {n} by SM rank (CTAs, GB/s, mean exit µs): "
+              + "  ".join(f"{i}: {a:.0f} {b:.2f} {c:.1f}" for i, (a, b, c) in enumerate(r[n]["by_rank"][:8])))
     curve = r["curve"]
     g = -(-len(curve) // 60)  # bins a printed line (at most ~60 lines; the JSON keeps every bin)
     print(f"  {'µs':>6} {'FC1 TB/s':>9} {'FC2 TB/s':>9} {'total':>6} {'stream':>7} {'resident':>9}   (means over "
@@ -144,12 +167,13 @@ def show(r: dict, bin_us: float) -> None:
 
 
 def main() -> None:
-    """Every T: a summary and curve printed, the raw stamps to $OUT/moe_cta_timeline.json."""
+    """Every T: a summary and curve printed, the raw stamps to $OUT/moe_cta_timeline<--tag>.json."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,4,16")
     ap.add_argument("--bin", type=float, default=1.0, help="µs a bin of the bytes-in-flight curve")
     ap.add_argument("--knob", action="append", default=[], metavar="NAME=INT",
                     help="set moe_cuda.NAME (an int or bool knob, e.g. QUEUE=1) for both builds")
+    ap.add_argument("--tag", default="", help="a suffix for the JSON's name")
     args = ap.parse_args()
     set_knobs(args.knob)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -160,7 +184,7 @@ def main() -> None:
         r = point(t, moe, mm, gen, args.bin)
         show(r, args.bin)
         rows.append(r)
-    write_results("moe_cta_timeline", rows)
+    write_results("moe_cta_timeline" + args.tag, rows)
 
 
 if __name__ == "__main__":

@@ -179,23 +179,6 @@ counter for all items 72.5 µs against 58.8 (some SMs drew four 221 KB items, ot
 streams at most ~1/132 of HBM); with the pools 70.5 against 58.9: the shared FC2 items stream beside the routed
 FC1 ones, which end later, and routed FC2 (its expert's whole FC1 first) is left with 384 streams, ~2.9 an SM at
 ~7.4 GB/s each (2.9 TB/s, where ``moe_fc2``'s 480 make 3.9; benchmarks/RESULTS.md session 34). Off."""
-BALANCE_FC1 = False
-"""Where it fits (:func:`balanced_fc1`: the build of one column group, T <= 8, each CTA's K ranges within FC1's shared
-memory), launch FC1 as one wave (define ``BALANCE``, ``cuda/moe_decode_balanced.cuh``): CTA c < Gs runs the shared
-expert's item c as the plain grid does, then A routed units (128 rows x a 256-K super-chunk of a touched expert); the
-other CTAs share the remaining routed units evenly; A brings a shared CTA's bytes up to the mean. A routed row
-block's partials (as many as the CTAs that shared it) are summed by ``moe_act``, which is launched (no act fold).
-Why: the CTA timeline showed FC1's end is its drain: each SM carries 713-799 KB in four CTAs of 135 or 221 KB, a CTA
-streams at most ~8-10 GB/s, so once an SM's short CTA ends its three long ones leave HBM under-read (3.5 TB/s), and
-at T = 4 / 16 the waves ramp and drain together and the CTAs of unused expert slots take slots (benchmarks/RESULTS.md
-sessions 33-34). The sums split K otherwise than the plain grid (outputs equal within float32 rounding, not bitwise).
-A first version (d600a4c) spread every unit, the shared expert's first, evenly over the CTAs. Measured on the H200
-(session 35, same run, two alternations, whole op from CUDA graphs; FC1 from the profiler): slower everywhere. T = 1
-58.9 / 58.8 -> 67.4 / 67.4 µs (FC1 32.8 -> 37.9, plus a 4.7 µs act launch), T = 2 89.2 / 89.6 -> 94.0 / 94.7, T = 4
-114.8 / 115.2 -> 119.9 / 120.5 (FC1 65.1 -> 72.0). With ``DECODE = 2`` (loads alone) FC1 moved only 29.3 -> 30.8 (T =
-1) and 58.3 -> 59.6 (T = 4): what grew was the math's share (3.5 -> 7.1 µs at T = 1, 6.8 -> 12.4 at T = 4). The
-likely cause: its MXFP8 units filled CTAs 0-104, so ~26 SMs held four NVFP4 CTAs (about twice the SASS a byte of
-MXFP8), where the plain grid gives every SM one MXFP8 item; this version keeps that mix. Untimed: off."""
 _STATIC_SMEM_QUEUE = 4096  # moe_experts' static shared memory (FC1's and FC2's both), rounded up (offline: 1.6 KB)
 
 TIMELINE = False
@@ -373,89 +356,12 @@ def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
     return ks1, ks1s, ks2s
 
 
-def _balanced_plan(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
-                   touched: int) -> tuple[int, int, int, int, int, int]:
-    """``fc1_balanced``'s schedule (:data:`BALANCE_FC1`) for `touched` experts: (grid G, shared items Gs, routed units
-    A a shared CTA takes, routed units R left to the others, the Go other CTAs that get any, units a routed row
-    block)."""
-    rows = _rows_per_cta()
-    ks1s = call_splits(tokens, hidden, inter, experts, top_k, shared_inter)[1]
-    grid = one_wave(tokens, hidden, inter, shared_inter)[0]
-    gs = 2 * shared_inter // rows * ks1s
-    per = hidden // 256
-    ur = touched * (2 * inter // rows) * per
-    a = max(0, (ur * 4608 - (grid - gs) * (hidden // ks1s) * 33) // (grid * 4608)) if grid > gs else 0
-    r = ur - gs * a
-    return grid, gs, a, r, min(grid - gs, max(r, 1)), per
-
-
-def balanced_segments(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
-                      touched: int) -> list[list[tuple[int, int, int, int, int]]]:
-    """The host's twin of ``fc1_balanced``'s routed schedule (:data:`BALANCE_FC1`): for each CTA of the grid, its
-    routed segments (row block over the touched experts in order; the partial it writes; the block's partial count;
-    its first unit and unit count within the block). CTAs below Gs also run a shared-expert item, as the plain grid."""
-    grid, gs, a, r, go, per = _balanced_plan(tokens, hidden, inter, experts, top_k, shared_inter, touched)
-    ur, front = r + gs * a, gs * a
-
-    def start(c: int) -> int:
-        return c * a if c <= gs else front + (c - gs) * r // go
-
-    def owner(u: int) -> int:
-        return u // a if u < front else gs + ((u - front + 1) * go - 1) // r
-    out: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(grid)]
-    for c in range(grid):
-        u, u1 = (start(c), start(c + 1)) if c < gs + go else (ur, ur)
-        while u < u1:
-            q = u // per
-            base, end = q * per, min(q * per + per, u1)
-            first = owner(base)
-            out[c].append((q, c - first, owner(base + per - 1) - first + 1, u - base, end - u))
-            u = end
-    return out
-
-
-def balanced_partials(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> int:
-    """The most partials a row block gets under :data:`BALANCE_FC1` whatever the routing touches (h's first
-    dimension: the shared expert's K splits, or the most CTAs any routed row block meets for 1..n_slots experts;
-    computed once per layout and the knobs the schedule reads)."""
-    return _balanced_partials(tokens, hidden, inter, experts, top_k, shared_inter, SMS, WARPS, BALANCE_SHARED)
-
-
-@functools.cache
-def _balanced_partials(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
-                       *knobs: object) -> int:
-    ks1s = call_splits(tokens, hidden, inter, experts, top_k, shared_inter)[1]
-    most = ks1s if shared_inter else 1
-    for touched in range(1, min(experts, tokens * top_k) + 1):
-        segs = balanced_segments(tokens, hidden, inter, experts, top_k, shared_inter, touched)
-        most = max(most, *(s[2] for cta in segs for s in cta))
-    return most
-
-
-def balanced_fc1(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> bool:
-    """Whether :func:`moe_decode_mma` runs FC1 balanced (:data:`BALANCE_FC1`) for T tokens of this layout: on, the
-    build of one column group (T <= 8), no FC2 prefetch from FC1 (:data:`PREFETCH_FC2`), a wave
-    holding more CTAs than the shared expert has items, every routed segment's K range (every slot's expert touched)
-    staged for T tokens within FC1's shared memory (:func:`_fc1_smem`), and the kernel's 32-bit arithmetic safe."""
-    if not BALANCE_FC1 or _wide(tokens) or PREFETCH_FC2:
-        return False
-    n_slots = min(experts, tokens * top_k)
-    grid, gs, a, r, go, per = _balanced_plan(tokens, hidden, inter, experts, top_k, shared_inter, n_slots)
-    if grid <= gs or (r + gs * a) * 4608 >= 2**31:
-        return False
-    longest = min(per, max(a, -(-r // go)))
-    return tokens * (longest * 256 + 4) * 2 <= _fc1_smem(hidden, shared_inter, _nt(tokens))
-
-
 def decode_grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
                  shared_inter: int) -> tuple[int, int]:
     """(FC1, FC2) grid sizes :func:`moe_decode_mma` launches for T tokens and this layout (shared_inter 0: no shared
-    expert; FC1 balanced: :func:`balanced_fc1`)."""
+    expert)."""
     splits = call_splits(tokens, hidden, inter, experts, top_k, shared_inter)
-    fc1, fc2 = _grids(tokens, hidden, inter, experts, top_k, shared_inter, splits)
-    if balanced_fc1(tokens, hidden, inter, experts, top_k, shared_inter):
-        fc1 = one_wave(tokens, hidden, inter, shared_inter)[0]
-    return fc1, fc2
+    return _grids(tokens, hidden, inter, experts, top_k, shared_inter, splits)
 
 
 def decode_folds(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int) -> bool:
@@ -467,23 +373,19 @@ def decode_folds(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
 
 
 def call_build(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
-               shared_inter: int) -> tuple[int, bool, bool, bool]:
-    """(NT, looping, folded, FC1 balanced): the build :func:`moe_decode_mma` runs for T tokens of this layout
-    (:func:`mma_specs`' arguments; shared_inter 0: no shared expert)."""
-    return (*decode_build(tokens), decode_folds(tokens, hidden, inter, experts, top_k, shared_inter),
-            balanced_fc1(tokens, hidden, inter, experts, top_k, shared_inter))
+               shared_inter: int) -> tuple[int, bool, bool]:
+    """(NT, looping, folded): the build :func:`moe_decode_mma` runs for T tokens of this layout (:func:`mma_specs`'
+    arguments; shared_inter 0: no shared expert)."""
+    return (*decode_build(tokens), decode_folds(tokens, hidden, inter, experts, top_k, shared_inter))
 
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1, wide: bool = False,
-              fold: bool = False, balance: bool = False) -> tuple[CudaKernelSpec, ...]:
+              fold: bool = False) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens; no act
     with ``fold`` and :data:`FOLD_ACT`, no combine with ``fold`` and :data:`FOLD_COMBINE`);
     ``wide``: the looping build of NT (its CTAs loop over column groups of 8 NT; NT = 1 up to
     :data:`NT1_MAX_TOKENS` tokens, NT = 2 up to :data:`MAX_TOKENS`), else the build for 8 NT; ``fold``: the build
-    for calls that fold (:func:`decode_folds`), with :data:`QUEUE` (stage_x, experts): FC1 and FC2 in one launch;
-    ``balance``: FC1 balanced (:func:`balanced_fc1`; act launched, never folded)."""
-    if balance and wide:
-        raise ConfigError("moe_cuda: BALANCE_FC1 runs the builds of one column group only")
+    for calls that fold (:func:`decode_folds`), with :data:`QUEUE` (stage_x, experts): FC1 and FC2 in one launch."""
     tmax = _tmax(nt, wide)
     if WARPS not in _WARPS_TAKEN:
         raise ConfigError(f"moe_cuda: WARPS = {WARPS}: the decode kernels take {_WARPS_TAKEN}")
@@ -493,11 +395,10 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     pdl = PDL.get("fold", PDL.get(nt, ())) if fold else PDL.get(nt, ())
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
-                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT and not balance,
-                      fold and FOLD_COMBINE, PREFETCH_FC2 if fold and not wide and not balance else 0,
-                      TIMELINE,
-                      QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2 and not balance,
-                      ACQUIRE_LAST and fold, balance)
+                      min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
+                      PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
+                      QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
+                      ACQUIRE_LAST and fold)
 
 
 @functools.cache
@@ -505,14 +406,13 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
-               acquire_last: bool = False, balance: bool = False) -> tuple[CudaKernelSpec, ...]:
+               acquire_last: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
-         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
-         *((("BALANCE", 1),) if balance else ()))
+         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
@@ -526,12 +426,11 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
         return spec("moe_stage_x", "*x H *x16 *xmult", 8), spec(
             "moe_experts", fc1_args + " *wts *rcode2 *rscale2 *rrow2 *scode2 *sscale2 I S KS2s *y *out *done *queue n1 "
             "n2" + tl, warps, max(smem1, smem2))
-    fc1 = spec("moe_fc1", fc1_args + (" *nseg" if balance else "") + tl, warps, smem1)
+    fc1 = spec("moe_fc1", fc1_args + tl, warps, smem1)
     fc2 = spec("moe_fc2", ("*act" if fold_act else "*act16 *amult") + " T *ids *wts topk E n_slots *rcode *rscale *rrow "
                "*scode *sscale I S H KSs P ROWS *y" + (" *out *done" if fold_combine else "") + tl, warps, smem2)
     return (spec("moe_stage_x", "*x H *x16 *xmult", 8), fc1,
-            *(() if fold_act else (spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult"
-                                        + (" *nseg *ids E" if balance else ""), 16),)),
+            *(() if fold_act else (spec("moe_act", "*h routed_pairs KSr KSs P ROWS I S *act16 *amult", 16),)),
             fc2, *(() if fold_combine else (spec("moe_combine", "*y *ids E T topk KSs P H *out", 8),)))
 
 
@@ -737,14 +636,14 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     shared = shared_w13 is not None
     s = shared_w13.data.shape[0] // 2 if shared else 0
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
-    nt, wide, folds, balance = call_build(t, hidden, inter, e, top_k, s)
+    nt, wide, folds = call_build(t, hidden, inter, e, top_k, s)
     ks1, ks1s, ks2s = call_splits(t, hidden, inter, e, top_k, s)
     if not {ks1, ks1s} <= {1, 2, 3, 4, 6, 8}:  # act sums FC1's splits by templates for these counts only
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: act takes 1, 2, 3, 4, 6 or 8")
     if ks1s < ks1:  # FC1's shared memory holds the routed split's K range (_fc1_smem)
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: the shared expert's must be at least the routed's")
     grid1, grid2 = decode_grids(t, hidden, inter, e, top_k, s)
-    specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide, folds, balance)}
+    specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide, folds)}
     fold, fold_combine = "moe_act" not in specs, "moe_combine" not in specs
     queue = "moe_experts" in specs
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
@@ -784,10 +683,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if not staged:
         x16 = torch.empty((t, hidden), dtype=torch.float16, device=dev)
         xmult = torch.empty(t, dtype=torch.float32, device=dev)
-    partials = balanced_partials(t, hidden, inter, e, top_k, s) if balance else max(ks1, ks1s)
-    h = torch.empty((partials, pairs, rows_ws), dtype=torch.float32, device=dev)
-    rows = _rows_per_cta()
-    nseg = [torch.empty(e * two_i // rows + 2 * s // rows, dtype=torch.int32, device=dev)] if balance else []
+    h = torch.empty((max(ks1, ks1s), pairs, rows_ws), dtype=torch.float32, device=dev)
     if fold:  # the act values, unscaled; a counter for each act chunk of each expert and shared column group
         act_v = torch.empty((pairs, rows_ws // 2), dtype=x.dtype, device=dev)
         counters = persistent(counters_key, lambda: torch.zeros((e + MAX_TOKENS // 8) * chm, dtype=torch.int32,
@@ -800,6 +696,7 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     xa = _aligned(x.contiguous())  # FC1's shared-expert items stage the tokens from x (16-byte vector loads)
     if not staged:
         runner(specs["moe_stage_x"], (t,), [xa, hidden, x16, xmult])
+    rows = _rows_per_cta()
     timeline = "TIMELINE" in dict(specs["moe_stage_x"].defines)
     if timeline:  # (the probe: zeros where a CTA stamps nothing; moe_experts stamps FC1's items, then FC2's)
         tl = torch.zeros((grid1 + grid2, 8), dtype=torch.int64, device=dev)
@@ -816,11 +713,9 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             grid1, grid2, *([tl] if timeline else [])])
         return out
     prefetch = "PREFETCH_FC2" in dict(specs["moe_fc1"].defines)
-    runner(specs["moe_fc1"], (grid1,),
-           [*fc1_args, *((c2[0], c2[1], sc2, ss2, ks2s) if prefetch else ()), *nseg, *tl1])
+    runner(specs["moe_fc1"], (grid1,), [*fc1_args, *((c2[0], c2[1], sc2, ss2, ks2s) if prefetch else ()), *tl1])
     if not fold:
-        runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult,
-                                             *((nseg[0], ids, e) if balance else ())])
+        runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     runner(specs["moe_fc2"], (grid2,), [*((act_v,) if fold else (act16, amult)), t, ids, wts, top_k, e, n_slots,
                                         c2[0], c2[1], g2, sc2, ss2, inter, s, hidden, ks2s, pairs, rows_ws, y,
                                         *((out, done) if fold_combine else ()), *tl2])

@@ -57,9 +57,6 @@
 #ifndef ACQUIRE_LAST
 #define ACQUIRE_LAST 0  // 1: the folds' arrivals release only; the last CTA of a counter alone fences (last_to_arrive)
 #endif
-#ifndef BALANCE
-#define BALANCE 0  // 1: moe_fc1 balances the weight units over one wave (moe_decode_balanced.cuh), moe_act sums to match
-#endif
 #ifndef QUEUE
 #define QUEUE 0  // 1: moe_experts, FC1's and FC2's items in one persistent launch (moe_decode_queue.cuh)
 #endif
@@ -85,8 +82,6 @@
 static_assert(TMAX <= 32 * WARPS, "find_tokens compacts 32 tokens a warp");
 static_assert(16 % WARPS == 0 && WARPS <= 4, "the launch bounds count 16 warps an SM");
 static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one column group only");
-static_assert(BALANCE == 0 || (GROUPS == 1 && !FOLD_ACT && !QUEUE && !PREFETCH_FC2),
-              "BALANCE: the builds of one column group, act launched");
 static_assert(QUEUE == 0 || (GROUPS == 1 && FOLD_ACT && FOLD_COMBINE && !PREFETCH_FC2),
               "QUEUE: the folded builds of one column group");
 // The shared expert's column groups for T tokens (a CTA each; moe_cuda's grids count them the same way).
@@ -128,15 +123,6 @@ moe_stage_x(const void* x, int H, u16* x16, float* xmult, void* scratch0, void* 
   if (threadIdx.x == 0) xmult[n] = up;
 }
 
-// SiLU(gate) * up of one act value from its summed gate and up.
-__device__ __forceinline__ float silu_mul(float gate, float up) {
-#if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
-  return silu_mul_bf16(gate, up);
-#else
-  return gate / (1.f + expf(-gate)) * up;
-#endif
-}
-
 // SiLU(gate) * up of pair row hp at columns k, k + 1 (k < K), gate / up summed over SPL K splits (read through L2:
 // with FOLD_ACT other CTAs of the same launch wrote them).
 template <int SPL>
@@ -156,7 +142,13 @@ __device__ __forceinline__ void act_pair(const float* hp, long split, int K, int
     us[1] += uv[s].y;
   }
 #pragma unroll
-  for (int e = 0; e < 2; ++e) v[e] = silu_mul(gs[e], us[e]);
+  for (int e = 0; e < 2; ++e) {
+#if ACT_BF16  // the reference's bf16 model rounds gate, up, SiLU(gate) and the product to bf16
+    v[e] = silu_mul_bf16(gs[e], us[e]);
+#else
+    v[e] = gs[e] / (1.f + expf(-gs[e])) * us[e];
+#endif
+  }
 }
 
 #define ACT_THREADS 512  // moe_act's CTA: K <= 4096 is four value pairs a thread
@@ -173,24 +165,10 @@ __device__ void act_row(const float* hp, long split, int K, float (&v)[8], float
   }
 }
 
-// moe_act's end: pair p's K values v (this thread's, largest magnitude m) scaled into act16 [p, :K], amult[p].
-__device__ __forceinline__ void act_store(const float (&v)[8], float m, int K, int p, int ROWS, u16* act16,
-                                          float* amult, float* red) {
-  float down, up;
-  pow2_scale(block_max(m, red), down, up);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int k = 2 * (threadIdx.x + ACT_THREADS * i);
-    if (k < K) *(u32*)(act16 + (long)p * ROWS / 2 + k) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
-  }
-  if (threadIdx.x == 0) amult[p] = up;
-}
-
 // act16[p, :K] = f16(SiLU(gate) * up * 2^-e(p)), amult[p] = 2^e(p), gate / up summed over FC1's K splits of pair p
 // (routed pairs p < T * topk: K = I, KSr splits; shared pairs: K = S, KSs splits; K <= 4096, splits 1, 2, 3, 4, 6 or 8).
 // One CTA of 512 threads per pair; each thread keeps its (<= 4) value pairs in registers (with 256 threads and 8
 // pairs a thread, T = 16 took 12 us: benchmarks/RESULTS.md, session 21).
-#if !BALANCE  // (BALANCE: moe_decode_balanced.cuh's, which sums each row block's own count of partials)
 extern "C" __global__ void __launch_bounds__(ACT_THREADS)
 moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int I, int S, u16* act16,
         float* amult, void* scratch0, void* scratch1) {
@@ -211,9 +189,15 @@ moe_act(const float* h, int routed_pairs, int KSr, int KSs, int P, int ROWS, int
     case 6: act_row<6>(hp, split, K, v, m); break;
     default: act_row<8>(hp, split, K, v, m); break;
   }
-  act_store(v, m, K, p, ROWS, act16, amult, red);
+  float down, up;
+  pow2_scale(block_max(m, red), down, up);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int k = 2 * (threadIdx.x + ACT_THREADS * i);
+    if (k < K) *(u32*)(act16 + (long)p * ROWS / 2 + k) = f32x2_to_f16x2(v[2 * i] * down, v[2 * i + 1] * down);
+  }
+  if (threadIdx.x == 0) amult[p] = up;
 }
-#endif
 
 // Every piece (r, p) of a rows x per grid, the CTA's threads blockDim apart, four a thread at a time: load(r, p) of
 // all four is issued before any store(r, p, value), so four loads are in flight (the piece index is advanced
@@ -329,20 +313,18 @@ __device__ void stage_direct(const void* x, int n0, int cnt, int H, int k0, int 
 // grid_wait()), so the weight stream's first latency overlaps it. (The CTA's whole K range by
 // cp.async.bulk.prefetch.L2 measured 5-25% slower on the H200: benchmarks/RESULTS.md, session 18.)
 __device__ __forceinline__ void prefetch_first(const Block& b, int rows_total, int K, int Kc, const u8* rcode,
-                                               const u8* scode, long k_first = -1) {  // (k_first: run_tiles')
+                                               const u8* scode) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if NATURAL
   if (b.expert >= 0) {  // the first super-chunk (128 bytes) of each of the warp's 32 rows
     const long row = (long)b.expert * rows_total + b.row0 + warp * 32 + lane;
-    const long k0 = k_first >= 0 ? k_first : (long)b.ks * Kc;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(rcode + row * (K / 2) + k0 / 2));
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(rcode + row * (K / 2) + (long)b.ks * Kc / 2));
     return;
   }
 #endif
   const long tile = (long)(b.row0 + warp * 32) / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
   const long tb = b.expert >= 0 ? (long)K * 8 : (long)K * 16;
-  const u8* c = (b.expert >= 0 ? rcode : scode) + tile * tb +
-                (k_first >= 0 ? k_first : (long)b.ks * Kc) * (b.expert >= 0 ? 8 : 16);
+  const u8* c = (b.expert >= 0 ? rcode : scode) + tile * tb + (long)b.ks * Kc * (b.expert >= 0 ? 8 : 16);
 #pragma unroll
   for (int t = 0; t < ROWT; ++t)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + t * tb + lane * 64));  // 2 KB: the first super-chunk
@@ -362,10 +344,9 @@ template <int N, class Stage>
 __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
                                           const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
                                           const float* rrow, const u8* scode, const u8* sscale, const float* wts,
-                                          float* out, long out_stride, const Stage& stage, long k_first = -1) {
+                                          float* out, long out_stride, const Stage& stage) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, j = lane & 3;
   const int row = b.row0 + warp * 32;  // first row of the warp's tiles
-#define K0 (k_first >= 0 ? k_first : (long)b.ks * Kc)  // the block's first K (k_first: fc1_balanced's)
   const int cnt = cols.cnt;
   float acc[ROWT][N][4];
 #pragma unroll
@@ -377,21 +358,20 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
   const long tile = (long)row / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
   if (b.expert >= 0 && NATURAL) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
     const long r0 = (long)b.expert * rows_total + row + g;
-    const u8* c = rcode + r0 * (K / 2) + K0 / 2 + 16 * j;
-    const u8* s = rscale + r0 * (K / 16) + K0 / 16 + 2 * j;
+    const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;
+    const u8* s = rscale + r0 * (K / 16) + (long)b.ks * Kc / 16 + 2 * j;
     gemv<N>(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, cnt, acc, stage);
   } else if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
     const long tb = (long)K * 8, tsb = (long)K;
-    const u8* c = rcode + tile * tb + K0 * 8 + lane * 16;
-    const u8* s = rscale + tile * tsb + K0 + lane * 8;
+    const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
+    const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
     gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc, stage);
   } else {              // prepacked codes (16 rows x K bytes a tile), scales in their natural [rows, K / 32] layout
     const long tb = (long)K * 16, tsb = (long)K * 16 / 32;
-    const u8* c = scode + tile * tb + K0 * 16 + lane * 16;
-    const u8* s = sscale + (long)(row + g) * (K / 32) + K0 / 32;
+    const u8* c = scode + tile * tb + (long)b.ks * Kc * 16 + lane * 16;
+    const u8* s = sscale + (long)(row + g) * (K / 32) + (long)b.ks * Kc / 32;
     gemv<N>(Mxfp8Stream{c, s, tb, tsb, K / 32}, Kc / 128, xs, Kc, cnt, acc, stage);
   }
-#undef K0
   grid_wait();
   // every load before the first store: out might alias rrow / wts for the compiler, so each store ordered the next
   // load after it (a dependent L2 round trip an output element; moe_prefill_ws's FC2 lost ~30% to it, RESULTS.md
@@ -430,16 +410,16 @@ template <class Stage>
 __device__ __forceinline__ void run_cols(const Block& b, int rows_total, int K, int Kc, const Cols& cols,
                                          const u16* xs, const float* mult, const u8* rcode, const u8* rscale,
                                          const float* rrow, const u8* scode, const u8* sscale, const float* wts,
-                                         float* out, long out_stride, const Stage& stage, long k_first = -1) {
+                                         float* out, long out_stride, const Stage& stage) {
 #if NT > 1
   if (cols.cnt > 8) {
     run_tiles<NT>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride,
-                  stage, k_first);
+                  stage);
     return;
   }
 #endif
   run_tiles<1>(b, rows_total, K, Kc, cols, xs, mult, rcode, rscale, rrow, scode, sscale, wts, out, out_stride,
-               stage, k_first);
+               stage);
 }
 
 #if FOLD_ACT
@@ -690,17 +670,9 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
 #endif
 }
 
-#if BALANCE
-#include "moe_decode_balanced.cuh"
-
-extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_OWN_PARAMS int* nseg, TL_PARAM void* scratch0, void* scratch1) {
-  fc1_balanced(FC1_BAL_ARGS);
-}
-#else
 extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS void* scratch0, void* scratch1) {
   fc1_item(blockIdx.x, FC1_ARGS);
 }
-#endif
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs; FOLD_ACT:
 // act staged by stage_act). Before

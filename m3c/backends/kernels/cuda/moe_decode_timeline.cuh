@@ -1,8 +1,7 @@
 // The TIMELINE probe of the MegaMoE decode (moe_decode_mma.cu; a benchmark's, benchmarks/bench_moe_cta_timeline.py):
 // with TIMELINE each FC1 / FC2 item's thread 0 writes 8 words of its row of tl: the %globaltimer at entry (slot 0),
 // before its staging (1; QUEUE's FC2 items: after their readiness wait), after its GEMV's stores (2) and at exit
-// (3), then its SM, expert (-1 shared, -2 an unused slot, -4 a balanced FC1 CTA: moe_decode_balanced.cuh), K split
-// and K range (a balanced CTA's: the NVFP4-equivalent K of all it streams); without it the macros are empty.
+// (3), then its SM, expert (-1 shared, -2 an unused slot), K split and K range; without it the macros are empty.
 // Macros from the including file: TIMELINE.
 #pragma once
 
