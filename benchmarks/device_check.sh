@@ -13,7 +13,6 @@
 #   bash benchmarks/device_check.sh timeline     # the decode CTA by CTA (moe_cuda.TIMELINE) at T = 1, 4, 16 (~90 s)
 #   bash benchmarks/device_check.sh queue        # QUEUE (FC1 + FC2 in one launch): GPU tests, A/B at T = 1, timeline
 #   bash benchmarks/device_check.sh acquire      # ACQUIRE_LAST and QUEUE: their GPU tests, A/B of the four at T = 1
-#   bash benchmarks/device_check.sh balance      # BALANCE_FC1: its GPU tests, then an A/B at T = 1..4 (+ 8, a control)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -110,10 +109,14 @@ prefetch() {  # PREFETCH_FC2 (FC1 asks L2 for FC2's first super-chunks where the
   tail -3 "$OUT/t_prefetch.log"
 }
 
-timeline() {  # when each FC1 / FC2 CTA enters, stages, streams and leaves, and the weight bytes a microsecond
-  timeout 150 python benchmarks/bench_moe_cta_timeline.py --tokens "${TL_TOKENS:-1,4,16}" > "$OUT/cta_timeline.txt" 2>&1
+timeline() {  # when each FC1 / FC2 CTA enters, stages, streams and leaves, and the weight bytes a microsecond (TL_ARGS:
+  # more of the script's arguments, e.g. "--knob DECODE=2" for the weight loads alone)
+  # shellcheck disable=SC2086  # (TL_ARGS is meant to split)
+  timeout 150 python benchmarks/bench_moe_cta_timeline.py --tokens "${TL_TOKENS:-1,4,16}" ${TL_ARGS:-} \
+    --tag "${TL_TAG:-}" \
+    > "$OUT/cta_timeline${TL_TAG:-}.txt" 2>&1
   mark timeline
-  grep -E '^T =' "$OUT/cta_timeline.txt"
+  grep -E '^T =' "$OUT/cta_timeline${TL_TAG:-}.txt"
 }
 
 queue() {  # moe_cuda.QUEUE where the call folds: its GPU tests first (a deadlock ends in the timeout, and the rest
@@ -144,21 +147,6 @@ acquire() {  # ACQUIRE_LAST (the folds' arrivals release; the last CTA alone acq
   mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
 }
 
-balance() {  # moe_cuda.BALANCE_FC1 (FC1's weight units balanced over one wave, T <= 4): its GPU tests first, then a
-  # same-run A/B (BAL_REPS alternations) at BAL_TOKENS (T = 8 does not balance: the same build both ways, a control),
-  # each also with DECODE=2 (the weight loads alone: what the schedule streams without the math), then its timeline
-  timeout 200 python -m pytest -m gpu -v -p no:cacheprovider tests/backends/kernels/test_moe_cuda_balance.py \
-    > "$OUT/t_balance.log" 2>&1
-  local rc=$?; mark balance_tests; tail -3 "$OUT/t_balance.log"
-  [ "$rc" -ne 0 ] && { echo "balance: GPU tests rc=$rc, no timing"; return; }
-  ab balance_ab "${BAL_REPS:-3}" "${BAL_TOKENS:-1,2,4,8}" 90 "bal0=--knob BALANCE_FC1=0 --kernels" \
-    "bal1=--knob BALANCE_FC1=1 --kernels" "bal0_loads=--knob BALANCE_FC1=0 --knob DECODE=2 --kernels" \
-    "bal1_loads=--knob BALANCE_FC1=1 --knob DECODE=2 --kernels"
-  timeout 120 python benchmarks/bench_moe_cta_timeline.py --tokens 1,4 --knob BALANCE_FC1=1 \
-    > "$OUT/cta_timeline_balance.txt" 2>&1
-  mark balance_timeline; grep -E '^T =' "$OUT/cta_timeline_balance.txt"
-}
-
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -171,9 +159,9 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire|balance) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline, queue," \
-         "acquire or balance" >&2
+    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline, queue or" \
+         "acquire" >&2
        exit 2 ;;
   esac
 done
