@@ -166,17 +166,6 @@ that is 1,008 invalidations landing under the other CTAs' weight streams, ~200 w
 Timed on the H200 (session 34, same run, two alternations, whole op from CUDA graphs): T = 1 59.1 / 58.8 ->
 59.5 / 59.5 µs (with QUEUE 72.4 / 72.5 -> 73.0 / 73.1): the invalidations cost nothing measurable, so it stays off."""
 
-ONE_COL = False
-"""In the builds of calls that fold (:func:`decode_folds`: T = 1 at m3.1-small; elsewhere the third weight loop made
-ptxas spill inside the loops), routed NVFP4 blocks with one token column (cnt == 1: every block at T = 1) run
-``mma_nvfp4_one`` (define ``ONE_COL``, ``cuda/moe_weight_stream.cuh``): the codes enter the MMA unscaled and each
-64-K chunk's four MMAs, one scale group a lane, are scaled in float32 once (lane (g, j) reads the token only where
-g == 2 j, so D's column 2 j is group j's dot). Why: the CTA timeline's ranks (benchmarks/RESULTS.md, session 36): with
-the decode math on, an SM's younger CTAs stream slower (issue contention), and with the loads alone (``DECODE = 2``)
-the whole op is 6.4 µs faster at T = 1 and 44 at T = 16; this drops the 4 HMUL2 a word and the scale pairs, ~18% of
-the NVFP4 loop's SASS. Same values within float32 rounding (not bitwise: the scale applies after the sums). Untimed:
-off."""
-
 QUEUE = False
 """Where the call folds (:func:`decode_folds`; one column group), run FC1 and FC2 as ONE persistent launch,
 ``moe_experts`` (define ``QUEUE``, ``cuda/moe_decode_queue.cuh``): as many CTAs as are resident claim items, FC1's
@@ -409,7 +398,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold, ONE_COL and fold)
+                      ACQUIRE_LAST and fold)
 
 
 @functools.cache
@@ -417,14 +406,13 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
-               acquire_last: bool = False, one_col: bool = False) -> tuple[CudaKernelSpec, ...]:
+               acquire_last: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
-         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
-         *((("ONE_COL", 1),) if one_col else ()))
+         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:

@@ -57,9 +57,6 @@
 #ifndef ACQUIRE_LAST
 #define ACQUIRE_LAST 0  // 1: the folds' arrivals release only; the last CTA of a counter alone fences (last_to_arrive)
 #endif
-#ifndef ONE_COL
-#define ONE_COL 0  // 1: routed NVFP4 blocks of one token column scale in float32 a chunk (mma_nvfp4_one)
-#endif
 #ifndef QUEUE
 #define QUEUE 0  // 1: moe_experts, FC1's and FC2's items in one persistent launch (moe_decode_queue.cuh)
 #endif
@@ -368,23 +365,7 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
     const long tb = (long)K * 8, tsb = (long)K;
     const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
     const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
-#if ONE_COL
-    if constexpr (N == 1) {
-      if (cnt == 1 && DECODE != 2) {  // (mma_nvfp4_one's lanes read row 1 of xs, zeroed here, where g != 2 j)
-        uint2* z = (uint2*)(xs + Kc + 4);
-        for (int i = threadIdx.x; i < Kc / 4; i += blockDim.x) z[i] = make_uint2(0u, 0u);
-        __syncthreads();
-        gemv<1>(Nvfp4OneStream{{c, s, tb, tsb}}, Kc / 256, xs, Kc, cnt, acc, stage);
-        one_col_sum(acc);
-      } else {
-        gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc, stage);
-      }
-    } else {
-      gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc, stage);
-    }
-#else
     gemv<N>(Nvfp4Stream{c, s, tb, tsb}, Kc / 256, xs, Kc, cnt, acc, stage);
-#endif
   } else {              // prepacked codes (16 rows x K bytes a tile), scales in their natural [rows, K / 32] layout
     const long tb = (long)K * 16, tsb = (long)K * 16 / 32;
     const u8* c = scode + tile * tb + (long)b.ks * Kc * 16 + lane * 16;

@@ -6,38 +6,29 @@
 
 #include "ptx_common.cuh"
 
-// Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, unscaled (rows g,
-// g + 8, g, g + 8).
-__device__ __forceinline__ void decode_nvfp4_codes(u32 w, u32* a) {
+// Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
+// rows' scale pairs.
+__device__ __forceinline__ void decode_nvfp4(u32 w, u32 sg, u32 sg8, u32* a) {
   u32 m = w & 0x77777777u;
 #if DECODE == 0
   u32 oa = prmt(0x3E3C3800u, 0x46444240u, m);        // f16 high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6
   u32 ob = prmt(0x3E3C3800u, 0x46444240u, m >> 16);
   oa |= w & 0x80808080u;
   ob |= (w << 4) & 0x80808080u;
-  a[0] = prmt(oa, 0u, 0x1404u);
-  a[1] = prmt(oa, 0u, 0x3424u);
-  a[2] = prmt(ob, 0u, 0x1404u);
-  a[3] = prmt(ob, 0u, 0x3424u);
+  a[0] = hmul2(prmt(oa, 0u, 0x1404u), sg);
+  a[1] = hmul2(prmt(oa, 0u, 0x3424u), sg8);
+  a[2] = hmul2(prmt(ob, 0u, 0x1404u), sg);
+  a[3] = hmul2(prmt(ob, 0u, 0x3424u), sg8);
 #else
   u32 oa = prmt(0x3C383000u, 0x4C484440u, m);        // E4M3 codes of 0, .5, 1, 1.5 | 2, 3, 4, 6
   u32 ob = prmt(0x3C383000u, 0x4C484440u, m >> 16);
   oa |= w & 0x80808080u;
   ob |= (w << 4) & 0x80808080u;
-  a[0] = e4m3x2_lo(oa);
-  a[1] = e4m3x2_hi(oa);
-  a[2] = e4m3x2_lo(ob);
-  a[3] = e4m3x2_hi(ob);
+  a[0] = hmul2(e4m3x2_lo(oa), sg);
+  a[1] = hmul2(e4m3x2_hi(oa), sg8);
+  a[2] = hmul2(e4m3x2_lo(ob), sg);
+  a[3] = hmul2(e4m3x2_hi(ob), sg8);
 #endif
-}
-
-// decode_nvfp4_codes times the rows' scale pairs.
-__device__ __forceinline__ void decode_nvfp4(u32 w, u32 sg, u32 sg8, u32* a) {
-  decode_nvfp4_codes(w, a);
-  a[0] = hmul2(a[0], sg);
-  a[1] = hmul2(a[1], sg8);
-  a[2] = hmul2(a[2], sg);
-  a[3] = hmul2(a[3], sg8);
 }
 
 __device__ __forceinline__ float e8m0_float(u32 e) {
@@ -111,7 +102,6 @@ struct Nvfp4Stream {  // a warp's NVFP4 tiles for one K split: the lane's codes 
   const u8* scale;
   long tile_bytes, tile_sbytes;
   static constexpr int k_lane = 16;  // lane j's scale group holds K 16 j .. 16 j + 15 of each 64-K chunk
-  static constexpr bool one_col = false;
   __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
     load_nvfp4(c, s, code, scale, tile_bytes, tile_sbytes, sc);
   }
@@ -119,70 +109,6 @@ struct Nvfp4Stream {  // a warp's NVFP4 tiles for one K split: the lane's codes 
   __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
                                       const u16* const (&xrow)[N], float (*acc)[N][4]) const {
     mma_nvfp4<N>(c, s, sc, xrow, acc);
-  }
-};
-
-// The two E4M3 scale bytes i0, i1 of w as floats (exact).
-__device__ __forceinline__ void scale_floats(u32 w, u32 i0, u32 i1, float& f0, float& f1) {
-  const u32 p = e4m3x2_lo(prmt(w, 0u, i0 | (i1 << 4)));
-  asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %2; cvt.f32.f16 %0, lo; cvt.f32.f16 %1, hi;}"
-      : "=f"(f0), "=f"(f1)
-      : "r"(p));
-}
-
-// ONE_COL: mma_nvfp4 for a block of one token column, without the scales in the A registers. Lane (g, j) reads the
-// staged token only where g == 2 j (xrow: else a zeroed row, gemv), so D's column 2 j is the dot over lane j's own
-// 16-K scale group of the chunk (Nvfp4Stream::k_lane): each 64-K chunk's 4 MMAs start from zero and their D is
-// scaled in float32 by the group's row scales into acc[t][0][0] (row g) / [2] (row g + 8); one_col_sum adds the four
-// lanes' groups after the GEMV. Per 8 codes: the 4 HMUL2 and the scale pairs of mma_nvfp4 go, 2 FFMA a chunk come.
-__device__ __forceinline__ void mma_nvfp4_one(const uint4 (&cb)[ROWT][4], const uint2 (&sb)[ROWT], int sc,
-                                              const u16* xrow, float (*acc)[1][4]) {
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    float d[ROWT][4];
-#pragma unroll
-    for (int t = 0; t < ROWT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d[t][i] = 0.f;
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const uint2 v = *(const uint2*)(xrow + (sc * 4 + c) * 64 + 4 * s);
-#pragma unroll
-      for (int t = 0; t < ROWT; ++t) {
-        u32 w = s == 0 ? cb[t][c].x : s == 1 ? cb[t][c].y : s == 2 ? cb[t][c].z : cb[t][c].w;
-        u32 a[4];
-        decode_nvfp4_codes(w, a);
-        mma(d[t], a[0], a[1], a[2], a[3], v.x, v.y);
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < ROWT; ++t) {
-      float f0, f8;
-      scale_floats(c < 2 ? sb[t].x : sb[t].y, (c & 1) * 2, (c & 1) * 2 + 1, f0, f8);
-      acc[t][0][0] += f0 * d[t][0];
-      acc[t][0][2] += f8 * d[t][2];
-    }
-  }
-}
-
-// ONE_COL's end: each lane's acc[t][0][0] / [2] summed over the quad's four lanes (the chunk's four scale groups).
-__device__ __forceinline__ void one_col_sum(float (*acc)[1][4]) {
-#pragma unroll
-  for (int t = 0; t < ROWT; ++t)
-#pragma unroll
-    for (int i = 0; i < 4; i += 2) {
-      acc[t][0][i] += __shfl_xor_sync(0xffffffffu, acc[t][0][i], 1);
-      acc[t][0][i] += __shfl_xor_sync(0xffffffffu, acc[t][0][i], 2);
-    }
-}
-
-struct Nvfp4OneStream : Nvfp4Stream {  // Nvfp4Stream for a block of one token column (ONE_COL: mma_nvfp4_one)
-  static constexpr bool one_col = true;
-  template <int N>
-  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
-                                      const u16* const (&xrow)[N], float (*acc)[N][4]) const {
-    static_assert(N == 1, "one token column");
-    mma_nvfp4_one(c, s, sc, xrow[0], acc);
   }
 };
 
@@ -196,7 +122,6 @@ struct Nvfp4NaturalStream {
   const u8* scale;  // row g's scale byte 2 j of this K split
   long row_bytes, row_sbytes;  // K / 2, K / 16
   static constexpr int k_lane = 32;
-  static constexpr bool one_col = false;
   __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
 #pragma unroll
     for (int t = 0; t < ROWT; ++t) {
@@ -292,7 +217,6 @@ struct Mxfp8Stream {  // a warp's MXFP8 tiles for one K split (scales: row g's, 
   long tile_bytes, tile_sbytes;
   int srow;
   static constexpr int k_lane = 4;  // lane j holds K 4 j .. 4 j + 3 of each 16-K step
-  static constexpr bool one_col = false;
   __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
     load_mxfp8(c, s, code, scale, tile_bytes, tile_sbytes, srow, sc);
   }
@@ -330,12 +254,7 @@ template <int N, class Stream, class Stage>
 __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4],
                      const Stage& stage) {
   const u16* xrow[N];
-  if constexpr (Stream::one_col) {  // row 0: the token; row 1: zeros (run_tiles)
-    const int lane = threadIdx.x & 31;
-    xrow[0] = xs + ((lane >> 2) == 2 * (lane & 3) ? 0 : Kc + 4) + Stream::k_lane * (lane & 3);
-  } else {
-    token_rows<N>(xrow, xs, Kc, cnt, Stream::k_lane * (threadIdx.x & 3));
-  }
+  token_rows<N>(xrow, xs, Kc, cnt, Stream::k_lane * (threadIdx.x & 3));
   uint4 ca[ROWT][4], cb[ROWT][4];
   uint2 sa[ROWT], sb[ROWT];
   w.load(ca, sa, 0);
