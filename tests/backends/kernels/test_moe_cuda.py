@@ -330,8 +330,7 @@ def test_early_weight_loads_come_before_the_staging_in_sass(tokens: int, monkeyp
         specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)
         for spec in (specs[1], specs[3]):
             assert (dict(spec.defines).get("EARLY") == 1) == early
-            ops = [line.split("*/")[1].split()[0] for line in kernel_sass(spec).splitlines()
-                   if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+            ops = kernel_opcodes(spec)
             first_weight = ops.index("LDG.E.NA.128.CONSTANT")
             first_staging = ops.index("LDG.E.128")
             assert (first_weight < first_staging) == early, (spec.kernel, early)
@@ -490,9 +489,7 @@ def test_epilogue_loads_come_before_its_stores_in_sass(tokens: int) -> None:
     nt, wide = moe_cuda.decode_build(tokens)
     specs = moe_cuda.mma_specs(6144, 1536, 2048, "bf16", nt, wide)
     for spec in (specs[1], specs[3]):
-        words = [line.split("*/")[1].split() for line in kernel_sass(spec).splitlines()
-                 if re.search(r"/\*[0-9a-f]{4}\*/", line)]
-        ops = [(w[1] if w[0].startswith("@") else w[0]).split(".")[0] for w in words]  # (predicated too)
+        ops = [op.split(".")[0] for op in kernel_opcodes(spec)]  # (predicated too)
         stores = [k for k, op in enumerate(ops) if op == "STG"]
         assert len(stores) >= 8, spec.kernel
         # loads between consecutive stores less than 40 instructions apart (one run of epilogue stores)
