@@ -40,7 +40,9 @@ tests() {
      > "$OUT/t_route_qkv_indexer.log" 2>&1
    echo "rc=$?" >> "$OUT/t_route_qkv_indexer.log") &
   ($p tests/backends/kernels/test_moe_decode.py tests/backends/kernels/test_moe_cuda.py tests/fused/test_moe.py \
-     tests/backends/kernels/test_moe_cuda_route.py tests/test_cli_compile.py \
+     tests/backends/kernels/test_moe_cuda_route.py tests/test_cli_compile.py tests/backends/test_cuda_driver.py \
+     tests/backends/kernels/test_moe_cuda_prefetch.py tests/backends/kernels/test_moe_cuda_queue.py \
+     tests/backends/kernels/test_moe_cuda_timeline.py \
      > "$OUT/t_moe_cli.log" 2>&1; echo "rc=$?" >> "$OUT/t_moe_cli.log") &
   ($p tests/backends/kernels/test_moe_prefill_ws.py > "$OUT/t_moe_prefill_ws.log" 2>&1  # (float64 models: slow)
    echo "rc=$?" >> "$OUT/t_moe_prefill_ws.log") &
