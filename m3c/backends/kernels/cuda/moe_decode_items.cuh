@@ -12,33 +12,6 @@ struct Block {   // what one CTA works on
   int grp;       // shared expert: its column group (tokens MAXT grp ..); routed: -1, every group in turn
 };
 
-// flags[w] bit i = whether any of the n_ids ids is expert 32 w + i (valid ids only; (E + 31) / 32 words of shared
-// memory; a CTA barrier before and after).
-__device__ __forceinline__ void touched_flags(u32* flags, const long long* ids, int n_ids, int E) {
-  for (int i = threadIdx.x; i < (E + 31) / 32; i += blockDim.x) flags[i] = 0u;
-  __syncthreads();
-  for (int i = threadIdx.x; i < n_ids; i += blockDim.x) {
-    long long e = ids[i];
-    if (e >= 0 && e < E) atomicOr(&flags[e >> 5], 1u << (e & 31));
-  }
-  __syncthreads();
-}
-
-// The slot-th touched expert (in expert order) of touched_flags' flags, or -2 past the last.
-__device__ __forceinline__ int nth_touched(const u32* flags, int E, int slot) {
-  int left = slot;
-  for (int w = 0; w < (E + 31) / 32; ++w) {
-    u32 f = flags[w];
-    int c = __popc(f);
-    if (left < c) {
-      for (int k = 0; k < left; ++k) f &= f - 1u;
-      return w * 32 + __ffs(f) - 1;
-    }
-    left -= c;
-  }
-  return -2;
-}
-
 // Work item `item`: routed (expert slot x row block x KSr splits) items first, then shared (row block x KSs
 // splits x column groups of MAXT of the T tokens, the groups innermost: the CTAs that read the same weights run
 // side by side and share them through L2; ids not read). Returns false if the item's expert slot is unused (fewer
@@ -63,8 +36,25 @@ __device__ bool find_block(Block& b, int item, const long long* ids, int T, int 
   item /= KSr;
   const int slot = item / per;
   b.row0 = (item % per) * 32 * WARPS;
-  touched_flags(flags, ids, n_ids, E);
-  b.expert = nth_touched(flags, E, slot);
+  for (int i = threadIdx.x; i < (E + 31) / 32; i += blockDim.x) flags[i] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_ids; i += blockDim.x) {
+    long long e = ids[i];
+    if (e >= 0 && e < E) atomicOr(&flags[e >> 5], 1u << (e & 31));
+  }
+  __syncthreads();
+  int left = slot;
+  b.expert = -2;
+  for (int w = 0; w < (E + 31) / 32; ++w) {
+    u32 f = flags[w];
+    int c = __popc(f);
+    if (left < c) {
+      for (int k = 0; k < left; ++k) f &= f - 1u;
+      b.expert = w * 32 + __ffs(f) - 1;
+      break;
+    }
+    left -= c;
+  }
   return b.expert >= 0;
 }
 
