@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Callable
 
 import torch
 from _timing import bench_graph, write_results
@@ -45,7 +46,7 @@ def cta_rows(tl: torch.Tensor, kernel: str) -> list[dict]:
     return out
 
 
-def by_rank(cs: list[dict], rel) -> list[list[float]]:
+def by_rank(cs: list[dict], rel: Callable[[int], float]) -> list[list[float]]:
     """Per SM rank (a CTA's place, in grid order, among the CTAs its SM ran; grid order is the rows' order, and a
     one-wave grid's rank r is mostly blocks 132 r ..): [CTAs with work, mean GB/s over staging + GEMV, mean exit µs].
     Session 36: with equal bytes, later ranks stream slower (T = 1, FC1's routed CTAs 9.8 / 9.1 / 8.2 GB/s at ranks
