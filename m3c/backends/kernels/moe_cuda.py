@@ -108,12 +108,6 @@ above the routed experts'). With :data:`NATURAL` (off) the looping build's FC2 s
 NT = 1 looping build (T = 9..32) at T = 16 2.6% faster (277.0 / 276.9 -> 269.8 / 270.1 us); the plain NT = 1 build
 slower at T = 1 (63.2 / 66.0 -> 66.7 / 67.0) and T = 4 (+1%), so it stays off there."""
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
-ASYNC = 0
-"""D >= 2: each FC1 / FC2 warp streams its weights through a D-stage cp.async ring in shared memory (define
-``ASYNC``; ``moe_weight_stream.cuh``) instead of two register buffers: the next super-chunks' copies are issued at
-the top of each step whatever order ptxas gives the math (the register build's next loads come after ~15 of a
-step's 32 MMAs). The ring takes D x 4.5 KB a warp, so the staging is sized for min(T, 8 NT) tokens (a build per
-staged-row count) to keep 4 CTAs an SM. Same output (bitwise: the same bytes, decoded in the same order)."""
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
 copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`) reads the prepacked copy too,
@@ -223,24 +217,13 @@ def _rows_per_cta() -> int:
 _TAG_CODES, _TAG_SCALES = "mma prepack codes", "mma prepack scales"  # derived() tags of the prepacked copies
 
 
-def _splits(hidden: int, shared_inter: int, nt: int, rows: int) -> tuple[int, int, int]:
+def _splits(hidden: int, shared_inter: int, nt: int) -> tuple[int, int, int]:
     """(FC1 routed, FC1 shared, FC2 shared) K splits: more, shorter streams where K allows (each split a whole number
     of super-chunks; 2 NT when H allows, so FC1 stages at most 8 x H / 2 f16 values); the shared expert's MXFP8 rows
-    hold twice the bytes, so it gets twice the splits. With :data:`ASYNC` FC1's routed split grows (3, 4, 6, 8 NT)
-    until its ring and `rows` staged tokens fit 4 CTAs an SM."""
+    hold twice the bytes, so it gets twice the splits."""
     ks1 = next(k for k in (2 * nt, nt, 1) if hidden % (256 * k) == 0)
-    if ASYNC:
-        budget = SM_SHARED_BYTES // 4 - 1024 - _STATIC_SMEM
-        fit = [k for k in (2, 3, 4, 6, 8) if k >= ks1 and hidden % (256 * k) == 0
-               and _ring_bytes() + rows * (hidden // k + 4) * 2 <= budget]
-        ks1 = fit[0] if fit else ks1
-    ks1s = next((k for k in (2 * ks1, 8, 6, 4, 3) if ks1 <= k <= 8 and k in _ACT_SPLITS and hidden % (128 * k) == 0),
-                ks1)
     ks2s = 2 if shared_inter % 256 == 0 else 1
-    return ks1, ks1s, ks2s  # H / (2 ks1) is a multiple of 128: whole MXFP8 super-chunks
-
-
-_ACT_SPLITS = (1, 2, 3, 4, 6, 8)  # the K split counts act sums by templates (moe_act / act_tail)
+    return ks1, 2 * ks1, ks2s  # H / (2 ks1) is a multiple of 128: whole MXFP8 super-chunks
 
 
 def _nt(tokens: int) -> int:
@@ -300,8 +283,7 @@ def mma_supported(hidden: int, inter: int, experts: int, top_k: int, shared_inte
     if hidden > 16384 or max(inter, shared_inter) > 4096:
         return f"H = {hidden}, I = {inter}, S = {shared_inter}: at most 16384 / 4096 / 4096 (staging buffers)"
     nt = _nt(tokens)
-    rows = staged_rows(tokens)
-    smem = max(_fc1_smem(hidden, shared_inter, nt, rows), _fc2_smem(inter, shared_inter, nt, rows))
+    smem = max(_fc1_smem(hidden, shared_inter, nt), _fc2_smem(inter, shared_inter, nt))
     if smem > SMEM_LIMIT:
         return (f"H = {hidden}, T = {tokens}: the staged tokens need {smem} bytes of shared memory, more than "
                 f"{SMEM_LIMIT} (H / 256 odd leaves FC1 one K split)")
@@ -324,24 +306,12 @@ def call_support(x: torch.Tensor, w13: Any, shared_w13: Any, top_k: int) -> str 
 SMEM_LIMIT = 227 * 1024 - 2048  # the H200's opt-in shared memory per CTA, less the kernels' static arrays
 
 
-def staged_rows(tokens: int) -> int:
-    """Token rows FC1 / FC2 stage for T tokens (their shared memory's size): a column group, 8 NT; with
-    :data:`ASYNC` only min(T, 8 NT)."""
-    nt = _nt(tokens)
-    return min(tokens, 8 * nt) if ASYNC else 8 * nt
+def _fc1_smem(hidden: int, shared_inter: int, nt: int) -> int:
+    return 8 * nt * (hidden // _splits(hidden, shared_inter, nt)[0] + 4) * 2
 
 
-def _ring_bytes() -> int:
-    """The :data:`ASYNC` rings' shared memory (a 4.5 KB super-chunk a stage a warp), at the start of FC1's / FC2's."""
-    return ASYNC * WARPS * 4608
-
-
-def _fc1_smem(hidden: int, shared_inter: int, nt: int, rows: int) -> int:
-    return _ring_bytes() + rows * (hidden // _splits(hidden, shared_inter, nt, rows)[0] + 4) * 2
-
-
-def _fc2_smem(inter: int, shared_inter: int, nt: int, rows: int) -> int:
-    return _ring_bytes() + rows * (max(inter, shared_inter) + 4) * 2
+def _fc2_smem(inter: int, shared_inter: int, nt: int) -> int:
+    return 8 * nt * (max(inter, shared_inter) + 4) * 2
 
 
 def _grids(tokens: int, hidden: int, inter: int, experts: int, top_k: int, shared_inter: int,
@@ -359,12 +329,11 @@ def one_wave(tokens: int, hidden: int, inter: int, shared_inter: int) -> tuple[i
     bounds' 16 warps an SM; NT = 2 (the looping build): 168 registers, 12 warps, FC2 with :data:`NATURAL` 211, 8
     warps; offline sm_90a) and shared memory (each kernel's dynamic bytes + static + the 1 KB an SM keeps a CTA),
     the fewer of the two."""
-    nt, rows = _nt(tokens), staged_rows(tokens)
+    nt = _nt(tokens)
 
     def fits(kernel: str, dynamic: int) -> int:
         return _resident(16 if nt == 1 else 8 if kernel == "moe_fc2" and NATURAL else 12, dynamic + _STATIC_SMEM)
-    return (fits("moe_fc1", _fc1_smem(hidden, shared_inter, nt, rows)),
-            fits("moe_fc2", _fc2_smem(inter, shared_inter, nt, rows)))
+    return fits("moe_fc1", _fc1_smem(hidden, shared_inter, nt)), fits("moe_fc2", _fc2_smem(inter, shared_inter, nt))
 
 
 def _resident(warps: int, smem: int) -> int:
@@ -378,7 +347,7 @@ def call_splits(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
     """(FC1 routed, FC1 shared, FC2 shared) K splits :func:`moe_decode_mma` uses for T tokens and this layout:
     :func:`_splits`', except that with :data:`BALANCE_SHARED` an FC1 grid of one wave takes the shared expert in 3x
     the routed splits (3 or 6) instead of 2x where that still fits the wave and fills it more."""
-    ks1, ks1s, ks2s = _splits(hidden, shared_inter, _nt(tokens), staged_rows(tokens))
+    ks1, ks1s, ks2s = _splits(hidden, shared_inter, _nt(tokens))
     wider = 3 * ks1
     if BALANCE_SHARED and shared_inter and wider in (3, 6) and hidden % (128 * wider) == 0:
         grid = _grids(tokens, hidden, inter, experts, top_k, shared_inter, (ks1, wider, ks2s))[0]
@@ -411,13 +380,12 @@ def call_build(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
 
 
 def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1, wide: bool = False,
-              fold: bool = False, rows: int | None = None) -> tuple[CudaKernelSpec, ...]:
+              fold: bool = False) -> tuple[CudaKernelSpec, ...]:
     """(stage_x, fc1, act, fc2, combine) CudaKernelSpecs for this layout and NT (shared memory for 8 NT tokens; no act
     with ``fold`` and :data:`FOLD_ACT`, no combine with ``fold`` and :data:`FOLD_COMBINE`);
     ``wide``: the looping build of NT (its CTAs loop over column groups of 8 NT; NT = 1 up to
     :data:`NT1_MAX_TOKENS` tokens, NT = 2 up to :data:`MAX_TOKENS`), else the build for 8 NT; ``fold``: the build
-    for calls that fold (:func:`decode_folds`), with :data:`QUEUE` (stage_x, experts): FC1 and FC2 in one launch;
-    ``rows``: the token rows staged (:func:`staged_rows`; None: 8 NT)."""
+    for calls that fold (:func:`decode_folds`), with :data:`QUEUE` (stage_x, experts): FC1 and FC2 in one launch."""
     tmax = _tmax(nt, wide)
     if WARPS not in _WARPS_TAKEN:
         raise ConfigError(f"moe_cuda: WARPS = {WARPS}: the decode kernels take {_WARPS_TAKEN}")
@@ -430,7 +398,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold, ASYNC, 8 * nt if rows is None else rows)
+                      ACQUIRE_LAST and fold)
 
 
 @functools.cache
@@ -438,14 +406,13 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
-               acquire_last: bool = False, ring: int = 0, rows: int = 0) -> tuple[CudaKernelSpec, ...]:
+               acquire_last: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
-         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
-         *((("ASYNC", ring),) if ring else ()))
+         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
@@ -454,8 +421,7 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
     fc1_args = ("*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H KSr KSs *h P "
                 "ROWS" + (" *act *counters" if fold_act else "")
                 + (" *rcode2 *rscale2 *scode2 *sscale2 KS2s" if prefetch else ""))
-    rows = rows or 8 * nt
-    smem1, smem2 = _fc1_smem(hidden, shared_inter, nt, rows), _fc2_smem(inter, shared_inter, nt, rows)
+    smem1, smem2 = _fc1_smem(hidden, shared_inter, nt), _fc2_smem(inter, shared_inter, nt)
     if queue:  # FC1's arguments, then FC2's own (its weights renamed), then the ticket / readiness counters
         return spec("moe_stage_x", "*x H *x16 *xmult", 8), spec(
             "moe_experts", fc1_args + " *wts *rcode2 *rscale2 *rrow2 *scode2 *sscale2 I S KS2s *y *out *done *queue n1 "
@@ -672,12 +638,12 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     act = "bf16" if x.dtype == torch.bfloat16 else "fp32"
     nt, wide, folds = call_build(t, hidden, inter, e, top_k, s)
     ks1, ks1s, ks2s = call_splits(t, hidden, inter, e, top_k, s)
-    if not {ks1, ks1s} <= set(_ACT_SPLITS):  # act sums FC1's splits by templates for these counts only
+    if not {ks1, ks1s} <= {1, 2, 3, 4, 6, 8}:  # act sums FC1's splits by templates for these counts only
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: act takes 1, 2, 3, 4, 6 or 8")
     if ks1s < ks1:  # FC1's shared memory holds the routed split's K range (_fc1_smem)
         raise ConfigError(f"moe_cuda: FC1 K splits {ks1} / {ks1s}: the shared expert's must be at least the routed's")
     grid1, grid2 = decode_grids(t, hidden, inter, e, top_k, s)
-    specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide, folds, staged_rows(t))}
+    specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide, folds)}
     fold, fold_combine = "moe_act" not in specs, "moe_combine" not in specs
     queue = "moe_experts" in specs
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)

@@ -356,15 +356,12 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.f;
   const long tile = (long)row / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
-#if NATURAL
-  if (b.expert >= 0) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
+  if (b.expert >= 0 && NATURAL) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
     const long r0 = (long)b.expert * rows_total + row + g;
     const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;
     const u8* s = rscale + r0 * (K / 16) + (long)b.ks * Kc / 16 + 2 * j;
     gemv<N>(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, cnt, acc, stage);
-  } else
-#endif
-  if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
+  } else if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
     const long tb = (long)K * 8, tsb = (long)K;
     const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
     const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
@@ -610,7 +607,7 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
   prefetch_first(b, b.expert >= 0 ? rows : srows, H, Kc, rcode, scode);
   find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
   STAMP(1);
-  u16* xs = (u16*)(smem + RING_BYTES);
+  u16* xs = (u16*)smem;
 #if GROUPS == 1
 #if FOLD_ACT
   put_tail(&tail, b, (b.expert >= 0 ? rows : srows) / 2, E, chm, counters, 0, cnt, ready);
@@ -726,9 +723,9 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
   // the columns' act rows [k0, k0 + kc) of K into xs / mult
   auto stage_cols = [&](const int* rows_of, int n, int k, int k0, int kc) {
 #if FOLD_ACT
-    stage_act(act, rows_of, n, ROWS / 2, k, k0, kc, (u16*)(smem + RING_BYTES), mult, amax);
+    stage_act(act, rows_of, n, ROWS / 2, k, k0, kc, (u16*)smem, mult, amax);
 #else
-    stage_rows(act16, amult, rows_of, n, ROWS / 2, k0, kc, (u16*)(smem + RING_BYTES), mult);
+    stage_rows(act16, amult, rows_of, n, ROWS / 2, k0, kc, (u16*)smem, mult);
 #endif
   };
 #if QUEUE  // (where moe_cuda.PDL launches moe_experts programmatically, e.g. bench_moe_ab --pdl fold=moe_experts: its
@@ -754,7 +751,7 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
   for (int c = threadIdx.x; c < cnt; c += blockDim.x) rowof[c] = pair[tok[c]];
   __syncthreads();
   STAMP(1);
-  u16* xs = (u16*)(smem + RING_BYTES);
+  u16* xs = (u16*)smem;
 #if GROUPS == 1
   staged(
       [&] {

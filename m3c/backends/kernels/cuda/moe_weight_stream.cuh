@@ -1,32 +1,10 @@
 // How a warp streams a 128-row CTA's weights for the MegaMoE decode (moe_decode_mma.cu): the NVFP4 (prepacked or
 // natural layout) and MXFP8 tile streams, their decode into mma.sync m16n8k16 f16 A fragments, the double-buffered
 // GEMV over a K range and the staging hook (EARLY). Macros from the including file: ROWT (16-row tiles a warp),
-// WARPS, DECODE, EARLY, ASYNC (0: two register buffers; D >= 2: a D-stage cp.async ring a warp in shared memory,
-// RING_BYTES at the start of the dynamic shared memory). No system headers.
+// DECODE, EARLY. No system headers.
 #pragma once
 
 #include "ptx_common.cuh"
-
-#ifndef ASYNC
-#define ASYNC 0
-#endif
-// A warp's super-chunk in the ring (either stream): ROWT tiles x 4 pieces x 32 lanes x 16 code bytes, then ROWT
-// tiles x 32 lanes x 8 scale bytes; each lane copies and reads its own bytes only (no warp barrier).
-#define STAGE_BYTES (ROWT * 2304)
-#define RING_BYTES (ASYNC * WARPS * STAGE_BYTES)
-static_assert(ASYNC == 0 || ASYNC >= 2, "ASYNC: 0, or a ring of at least two stages");
-static_assert(ASYNC == 0 || !NATURAL, "ASYNC: the prepacked streams only");
-
-// A super-chunk's lane bytes from the ring slot at shared address `slot` (see STAGE_BYTES) into registers.
-__device__ __forceinline__ void read_slot(const u8* slot, uint4 (&c)[ROWT][4], uint2 (&s)[ROWT]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int t = 0; t < ROWT; ++t) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) c[t][q] = *(const uint4*)(slot + (t * 4 + q) * 512 + lane * 16);
-    s[t] = *(const uint2*)(slot + ROWT * 2048 + t * 256 + lane * 8);
-  }
-}
 
 // Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
 // rows' scale pairs.
@@ -126,16 +104,6 @@ struct Nvfp4Stream {  // a warp's NVFP4 tiles for one K split: the lane's codes 
   static constexpr int k_lane = 16;  // lane j's scale group holds K 16 j .. 16 j + 15 of each 64-K chunk
   __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
     load_nvfp4(c, s, code, scale, tile_bytes, tile_sbytes, sc);
-  }
-  __device__ __forceinline__ void copy(u32 slot, int sc) const {  // load()'s bytes into a ring slot (ASYNC)
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int t = 0; t < ROWT; ++t) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        cp_async16(slot + (t * 4 + q) * 512 + lane * 16, code + t * tile_bytes + (long)sc * 2048 + q * 512);
-      cp_async8(slot + ROWT * 2048 + t * 256 + lane * 8, scale + t * tile_sbytes + (long)sc * 256);
-    }
   }
   template <int N>
   __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
@@ -252,18 +220,6 @@ struct Mxfp8Stream {  // a warp's MXFP8 tiles for one K split (scales: row g's, 
   __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
     load_mxfp8(c, s, code, scale, tile_bytes, tile_sbytes, srow, sc);
   }
-  __device__ __forceinline__ void copy(u32 slot, int sc) const {  // load()'s bytes into a ring slot (ASYNC)
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int t = 0; t < ROWT; ++t) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        cp_async16(slot + (t * 4 + q) * 512 + lane * 16, code + t * tile_bytes + (long)sc * 2048 + q * 512);
-      const u32 d = slot + ROWT * 2048 + t * 256 + lane * 8;
-      cp_async4(d, scale + t * tile_sbytes + sc * 4);
-      cp_async4(d + 4, scale + t * tile_sbytes + 8L * srow + sc * 4);
-    }
-  }
   template <int N>
   __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
                                       const u16* const (&xrow)[N], float (*acc)[N][4]) const {
@@ -294,39 +250,6 @@ __device__ __forceinline__ void math(const Stream& w, const uint4 (&c)[ROWT][4],
 // each), two register buffers: the next super-chunk's loads are in flight while one is decoded. (A third buffer
 // measured slower on the H200: 158 registers, 3 CTAs per SM; so did asking L2 for the super-chunk 4 ahead, 10-20%:
 // benchmarks/RESULTS.md, session 21.) stage(): see staged().
-#if ASYNC
-// The same GEMV through the warp's ASYNC-stage cp.async ring: super-chunk sc + ASYNC - 1 is copied at the top of
-// step sc, before step sc waits for its own and decodes it, so ASYNC - 1 super-chunks are in flight during the math
-// whatever order ptxas gives it (the register buffers' next loads came after ~15 of a step's 32 MMAs: RESULTS.md
-// session 36). A slot is refilled one step after its bytes were read into registers and used by the same lane.
-template <int N, class Stream, class Stage>
-__device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4],
-                     const Stage& stage) {
-  extern __shared__ __align__(16) u8 smem[];
-  const u16* xrow[N];
-  token_rows<N>(xrow, xs, Kc, cnt, Stream::k_lane * (threadIdx.x & 3));
-  u8* ring = smem + (threadIdx.x >> 5) * (ASYNC * STAGE_BYTES);
-  const u32 ring_s = smem_u32(ring);
-#pragma unroll
-  for (int i = 0; i < ASYNC - 1; ++i) {
-    if (i < nsc) w.copy(ring_s + i * STAGE_BYTES, i);
-    cp_commit();
-  }
-  stage();
-  int rd = 0, wr = ASYNC - 1;
-  for (int sc = 0; sc < nsc; ++sc) {
-    if (sc + ASYNC - 1 < nsc) w.copy(ring_s + wr * STAGE_BYTES, sc + ASYNC - 1);
-    cp_commit();
-    cp_wait<ASYNC - 1>();
-    uint4 c[ROWT][4];
-    uint2 s[ROWT];
-    read_slot(ring + rd * STAGE_BYTES, c, s);
-    math<N>(w, c, s, sc, xrow, acc);
-    rd = rd + 1 == ASYNC ? 0 : rd + 1;
-    wr = wr + 1 == ASYNC ? 0 : wr + 1;
-  }
-}
-#else
 template <int N, class Stream, class Stage>
 __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4],
                      const Stage& stage) {
@@ -344,7 +267,6 @@ __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, f
     math<N>(w, cb, sb, sc + 1, xrow, acc);
   }
 }
-#endif
 
 struct NoStage {
   __device__ __forceinline__ void operator()() const {}

@@ -1,5 +1,5 @@
 // Helpers shared by the CUDA C++ kernels of this directory (included by each .cu; no system headers): integer
-// types, streaming loads, cp.async, byte permutes, f16 / E4M3 / bf16 conversions, the mma.sync m16n8k16 f16 -> f32 MMA and the
+// types, streaming loads, byte permutes, f16 / E4M3 / bf16 conversions, the mma.sync m16n8k16 f16 -> f32 MMA and the
 // natural-order NVFP4 decode (decode8).
 #pragma once
 
@@ -71,27 +71,6 @@ __device__ __forceinline__ uint4 ld_stream4(const u8* p) {  // 16 bytes read onc
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
-}
-// cp.async (sm_80+): copies global -> shared that the issuing thread waits for with cp_wait<N>() (all but its N
-// newest committed groups landed); `dst` a shared-space address (smem_u32).
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {  // 16 bytes, past L1
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async8(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(u32 dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   u32 r;

@@ -1,12 +1,22 @@
-// sm_90a helpers shared by the wgmma kernels (moe_prefill_wgmma.cu, moe_prefill_ws.cu): zero-filling cp.async, the wgmma
+// sm_90a helpers shared by the wgmma kernels (moe_prefill_wgmma.cu, moe_prefill_ws.cu): cp.async, the wgmma
 // fences and waits, shared-memory matrix descriptors, the 64-accumulator asm operand lists, E4M3 conversions and the
 // NVFP4 -> E4M3 product-table decode of moe_cuda's prepacked words.
 #pragma once
 
 #include "ptx_common.cuh"
 
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
 __device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {  // 16 bytes, zeros when !ok
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 // cp.async's writes (generic proxy) made visible to wgmma's reads of shared memory (async proxy).
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
