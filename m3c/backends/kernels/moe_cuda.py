@@ -137,7 +137,7 @@ alone -0.6, combine alone -0.8), T = 4 112.1 -> 125.8 (both) / 117.8 (act) / 118
 T = 64 507.4 -> 734.6. As chosen (folded at T = 1 only): T = 1 61.6 / 61.6 -> 60.5 / 60.4 us, T = 4 unchanged
 (112.9-113.1)."""
 SM_SHARED_BYTES = HOPPER.smem_per_sm  # shared memory an SM holds (228 KB), of which each resident CTA takes 1 KB
-_STATIC_SMEM = 2560  # FC1's / FC2's static shared memory, rounded up (offline sm_90a: 1.3 KB at NT = 1, 2.1 at NT = 2)
+_STATIC_SMEM = 3072  # FC1's / FC2's static shared memory, rounded up (offline sm_90a: 2.3 KB at NT = 1, 3.0 at NT = 2)
 BALANCE_SHARED = True
 """Where FC1's grid is one wave (:func:`one_wave`), split the shared expert's FC1 rows 3x as often as the routed
 ones instead of 2x if the grid still fits (:func:`call_splits`): at T = 1 (8 experts, m3.1-small) 480 CTAs become
@@ -186,6 +186,9 @@ TIMELINE = False
 before its staging, after its GEMV's stores and at exit, with its SM, expert, K split and K range (define
 ``TIMELINE``), into int64 [grid, 8] tensors left in :data:`last_timeline` (FC1's, FC2's) by each call."""
 last_timeline: list[torch.Tensor] = []
+TIMELINE_AT = 0
+"""Where :data:`TIMELINE` stamps its second word (define ``TL_AT``): 0 before the staging, 1 after FC1's routed
+items' wait (FC2: at entry), 2 after finding the item's expert; so the time before the staging splits into parts."""
 
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int | str, tuple[str, ...]] = {1: ("moe_fc1", "moe_fc2"), 2: PDL_KERNELS, "fold": ()}
@@ -398,7 +401,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold)
+                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0)
 
 
 @functools.cache
@@ -406,13 +409,14 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
-               acquire_last: bool = False) -> tuple[CudaKernelSpec, ...]:
+               acquire_last: bool = False, timeline_at: int = 0) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
-         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()))
+         *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
+         *((("TL_AT", timeline_at),) if timeline_at else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:

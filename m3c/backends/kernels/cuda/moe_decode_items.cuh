@@ -12,12 +12,16 @@ struct Block {   // what one CTA works on
   int grp;       // shared expert: its column group (tokens MAXT grp ..); routed: -1, every group in turn
 };
 
+#define SID_CAP 512  // routing ids a CTA keeps in shared memory for find_tokens (T * topk up to this; more: read again)
+
 // Work item `item`: routed (expert slot x row block x KSr splits) items first, then shared (row block x KSs
 // splits x column groups of MAXT of the T tokens, the groups innermost: the CTAs that read the same weights run
 // side by side and share them through L2; ids not read). Returns false if the item's expert slot is unused (fewer
-// experts touched than slots).
+// experts touched than slots). A routed item also leaves the ids in `sid` (SID_CAP shorts; -1 where outside
+// [0, E)) when T * topk <= SID_CAP, so find_tokens reads them from shared memory: its own reads of ids from global
+// memory were ~2 us of an FC1 CTA's ~4 us before its staging at T = 16 (the CTA timeline, RESULTS.md session 37).
 __device__ bool find_block(Block& b, int item, const long long* ids, int T, int topk, int E, int n_slots, int rows,
-                           int srows, int KSr, int KSs, u32* flags) {
+                           int srows, int KSr, int KSs, u32* flags, short* sid) {
   const int per = rows / (32 * WARPS), n_ids = T * topk;
   if (item >= n_slots * per * KSr) {
     item -= n_slots * per * KSr;
@@ -30,6 +34,7 @@ __device__ bool find_block(Block& b, int item, const long long* ids, int T, int 
     b.row0 = (item / KSs) * 32 * WARPS;
     return b.row0 < srows;
   }
+  const long long first = (int)threadIdx.x < n_ids ? ids[threadIdx.x] : -1;  // (issued before the barrier)
   b.grp = -1;
   b.KS = KSr;
   b.ks = item % KSr;
@@ -39,8 +44,10 @@ __device__ bool find_block(Block& b, int item, const long long* ids, int T, int 
   for (int i = threadIdx.x; i < (E + 31) / 32; i += blockDim.x) flags[i] = 0u;
   __syncthreads();
   for (int i = threadIdx.x; i < n_ids; i += blockDim.x) {
-    long long e = ids[i];
-    if (e >= 0 && e < E) atomicOr(&flags[e >> 5], 1u << (e & 31));
+    const long long e = i == (int)threadIdx.x ? first : ids[i];
+    const bool ok = e >= 0 && e < E;
+    if (ok) atomicOr(&flags[e >> 5], 1u << (e & 31));
+    if (n_ids <= SID_CAP) sid[i] = ok ? (short)e : (short)-1;
   }
   __syncthreads();
   int left = slot;
@@ -73,13 +80,17 @@ __device__ __forceinline__ int counter_row(const Block& b, int E) {
 // The tokens this block works on, compacted: pair[n] = the row of h / y of token n (routed: n * topk + slot or -1;
 // shared: T * topk + n), tok[c] = the c-th token with a pair (in token order), *cnt their number. The MMA's columns
 // are c < cnt, so a routed expert that 3 of 16 tokens picked runs one 8-column tile and stages 3 rows, not 16.
-// `masks`: WARPS words of shared scratch.
+// `masks`: WARPS words of shared scratch; `sid`: the ids find_block kept (when T * topk <= SID_CAP).
 __device__ void find_tokens(int* pair, int* tok, int* cnt, u32* masks, const long long* ids, int T, int topk,
-                            int expert) {
+                            int expert, const short* sid) {
+  const bool kept = T * topk <= SID_CAP;
   for (int n = threadIdx.x; n < T; n += blockDim.x) {
     int p = -1;
     if (expert < 0) {
       p = T * topk + n;
+    } else if (kept) {
+      for (int k = 0; k < topk; ++k)
+        if (sid[n * topk + k] == expert) { p = n * topk + k; break; }
     } else {
       for (int k = 0; k < topk; ++k)
         if (ids[n * topk + k] == expert) { p = n * topk + k; break; }

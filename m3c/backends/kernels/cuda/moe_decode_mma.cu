@@ -14,7 +14,8 @@
 // PREFETCH_FC2 (n > 0: FC1's CTAs ask L2 for FC2's first n super-chunks once their GEMV is done: prefetch_fc2()),
 // TIMELINE (1, a benchmark probe: FC1 and FC2 take one more argument, tl, and each CTA's thread 0 writes 8 words
 // tl[blockIdx.x][:] = the %globaltimer at entry, before the staging, after the GEMV's stores, at exit; its SM, expert
-// (-1 shared, -2 an unused slot), K split and K range: stamp(), mark()).
+// (-1 shared, -2 an unused slot), K split and K range: stamp(), mark()), TL_AT (where the second stamp goes: 0 before
+// the staging, 1 after FC1's routed wait, 2 after find_block: STAMP_PRE).
 // Launch order: moe_stage_x -> moe_fc1 -> moe_act -> moe_fc2 -> moe_combine (FOLD_ACT / FOLD_COMBINE: without
 // moe_act / moe_combine), each after moe_stage_x launched with
 // programmatic dependent launch where the host asks (moe_cuda.PDL): what a kernel does before grid_wait() (FC1's
@@ -54,6 +55,11 @@
 #ifndef TIMELINE
 #define TIMELINE 0
 #endif
+#ifndef TL_AT
+#define TL_AT 0  // the TIMELINE probe's slot 1: 0 before the staging, 1 after FC1's routed wait, 2 after find_block
+#endif
+#define STAMP_PRE(at) \
+  if (TL_AT == (at)) STAMP(1)
 #ifndef ACQUIRE_LAST
 #define ACQUIRE_LAST 0  // 1: the folds' arrivals release only; the last CTA of a counter alone fences (last_to_arrive)
 #endif
@@ -573,6 +579,7 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
   STAMP_EXIT(idx);
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
+  __shared__ short sid[SID_CAP];
   __shared__ float mult[MAXT], down[MAXT];
   __shared__ int pair[TMAX], tok[TMAX], cnt;
   __shared__ Groups gs;
@@ -599,14 +606,16 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
   grid_launch_dependents();  // moe_act waits for all of FC1 (and FC2 launches only after act's wait)
   if (!shared) grid_wait();
 #endif
+  STAMP_PRE(1);
   Block b;
-  const bool found = find_block(b, item, ids, T, topk, E, n_slots, rows, srows, KSr, KSs, flags);
+  const bool found = find_block(b, item, ids, T, topk, E, n_slots, rows, srows, KSr, KSs, flags, sid);
   MARK(b.expert, b.ks, H / b.KS);
+  STAMP_PRE(2);
   if (!found) return;
   const int Kc = H / b.KS;
   prefetch_first(b, b.expert >= 0 ? rows : srows, H, Kc, rcode, scode);
-  find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
-  STAMP(1);
+  find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert, sid);
+  STAMP_PRE(0);
   u16* xs = (u16*)smem;
 #if GROUPS == 1
 #if FOLD_ACT
@@ -710,6 +719,7 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
   STAMP_EXIT(idx);
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
+  __shared__ short sid[SID_CAP];
   __shared__ float mult[MAXT];
   __shared__ int pair[TMAX], tok[TMAX], rowof[TMAX], cnt;
   __shared__ Groups gs;
@@ -732,9 +742,11 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
            // CTA may have run only shared-expert FC1 items, which read no routing)
   grid_wait();
 #endif
+  STAMP_PRE(1);
   Block b;
-  const bool found = find_block(b, idx, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags);
+  const bool found = find_block(b, idx, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags, sid);
   MARK(b.expert, b.ks, (b.expert >= 0 ? I : S) / b.KS);
+  STAMP_PRE(2);
 #if FOLD_COMBINE
   if (threadIdx.x == 0) row0 = b.row0;
   if (!found && b.expert == -2) {  // an unused routed slot arrives too (what it adds: nothing)
@@ -747,10 +759,10 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
   if (!found) return;
   const int K = b.expert >= 0 ? I : S, Kc = K / b.KS;
   prefetch_first(b, H, K, Kc, rcode, scode);
-  find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert);
+  find_tokens(pair, tok, &cnt, masks, ids, T, topk, b.expert, sid);
   for (int c = threadIdx.x; c < cnt; c += blockDim.x) rowof[c] = pair[tok[c]];
   __syncthreads();
-  STAMP(1);
+  STAMP_PRE(0);
   u16* xs = (u16*)smem;
 #if GROUPS == 1
   staged(
