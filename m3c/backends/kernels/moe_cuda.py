@@ -108,11 +108,6 @@ above the routed experts'). With :data:`NATURAL` (off) the looping build's FC2 s
 NT = 1 looping build (T = 9..32) at T = 16 2.6% faster (277.0 / 276.9 -> 269.8 / 270.1 us); the plain NT = 1 build
 slower at T = 1 (63.2 / 66.0 -> 66.7 / 67.0) and T = 4 (+1%), so it stays off there."""
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
-TAB_REG = False
-"""Decode the NVFP4 codes with the lookup table's low word in a vector register (``moe_weight_stream.cuh``'s
-tab_lo_reg; off: define ``TAB_REG`` 0, the word a constant). As a constant, ptxas kept it in a uniform register and
-copied it into a vector one before each lookup: 110 of the NVFP4 loop's 1,285 instructions (offline sm_90a, FC1 at
-T = 1); read from a global array, every build's loop is ~8.5% shorter. Bitwise the same output."""
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
 copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`) reads the prepacked copy too,
@@ -406,7 +401,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, TAB_REG)
+                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0)
 
 
 @functools.cache
@@ -414,15 +409,14 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
-               acquire_last: bool = False, timeline_at: int = 0,
-               tab_reg: bool = True) -> tuple[CudaKernelSpec, ...]:
+               acquire_last: bool = False, timeline_at: int = 0) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
          *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
-         *((("TL_AT", timeline_at),) if timeline_at else ()), *((("TAB_REG", 0),) if not tab_reg else ()))
+         *((("TL_AT", timeline_at),) if timeline_at else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:

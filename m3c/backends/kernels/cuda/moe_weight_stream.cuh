@@ -8,11 +8,11 @@
 
 // Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
 // rows' scale pairs.
-__device__ __forceinline__ void decode_nvfp4(u32 w, u32 sg, u32 sg8, u32* a, u32 tab_lo) {
+__device__ __forceinline__ void decode_nvfp4(u32 w, u32 sg, u32 sg8, u32* a) {
   u32 m = w & 0x77777777u;
 #if DECODE == 0
-  u32 oa = prmt(tab_lo, 0x46444240u, m);        // f16 high bytes of 0, .5, 1, 1.5 (tab_lo) | 2, 3, 4, 6
-  u32 ob = prmt(tab_lo, 0x46444240u, m >> 16);
+  u32 oa = prmt(0x3E3C3800u, 0x46444240u, m);        // f16 high bytes of 0, .5, 1, 1.5 | 2, 3, 4, 6
+  u32 ob = prmt(0x3E3C3800u, 0x46444240u, m >> 16);
   oa |= w & 0x80808080u;
   ob |= (w << 4) & 0x80808080u;
   a[0] = hmul2(prmt(oa, 0u, 0x1404u), sg);
@@ -68,28 +68,9 @@ __device__ __forceinline__ void load_nvfp4(uint4 (&cb)[ROWT][4], uint2 (&sb)[ROW
   }
 }
 
-#ifndef TAB_REG
-#define TAB_REG 1
-#endif
-// decode_nvfp4's low table word 0x3E3C3800 in a vector register: as a constant ptxas kept it in a uniform register
-// and copied it into a vector one before each of the loop's 128 lookups (IMAD.U32, 110 of the loop's 1,285
-// instructions, offline sm_90a). Read by each lane from its own word of a global array, its value is neither known
-// to ptxas nor uniform.
-#define TAB8(v) v, v, v, v, v, v, v, v
-__device__ u32 g_nvfp4_tab_lo[32] = {TAB8(0x3E3C3800u), TAB8(0x3E3C3800u), TAB8(0x3E3C3800u), TAB8(0x3E3C3800u)};
-#undef TAB8
-__device__ __forceinline__ u32 tab_lo_reg() {
-#if TAB_REG
-  return g_nvfp4_tab_lo[threadIdx.x & 31];
-#else
-  return 0x3E3C3800u;
-#endif
-}
-
 template <int N>
 __device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint2 (&sb)[ROWT], int sc,
                                           const u16* const (&xrow)[N], float (*acc)[N][4]) {
-  const u32 tab = tab_lo_reg();
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     u32 sg[ROWT], sg8[ROWT];
@@ -108,7 +89,7 @@ __device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint
       for (int t = 0; t < ROWT; ++t) {
         u32 w = s == 0 ? cb[t][c].x : s == 1 ? cb[t][c].y : s == 2 ? cb[t][c].z : cb[t][c].w;
         u32 a[4];
-        decode_nvfp4(w, sg[t], sg8[t], a, tab);
+        decode_nvfp4(w, sg[t], sg8[t], a);
 #pragma unroll
         for (int nt = 0; nt < N; ++nt) mma(acc[t][nt], a[0], a[1], a[2], a[3], b[nt][0], b[nt][1]);
       }
