@@ -13,6 +13,7 @@
 #   bash benchmarks/device_check.sh timeline     # the decode CTA by CTA (moe_cuda.TIMELINE) at T = 1, 4, 16 (~90 s)
 #   bash benchmarks/device_check.sh queue        # QUEUE (FC1 + FC2 in one launch): GPU tests, A/B at T = 1, timeline
 #   bash benchmarks/device_check.sh acquire      # ACQUIRE_LAST and QUEUE: their GPU tests, A/B of the four at T = 1
+#   bash benchmarks/device_check.sh ptxas        # PTXAS_OPT = 1 (loads at each step's top): GPU tests, A/B, timeline
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -149,6 +150,19 @@ acquire() {  # ACQUIRE_LAST (the folds' arrivals release; the last CTA alone acq
   mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
 }
 
+ptxas() {  # the decode builds at ptxas -O1 (moe_cuda.PTXAS_OPT: each step's next weight loads at its top): the GPU
+  # tests (bitwise -O3's output; the routing ids on both sides of find_block's shared copy) first, then a same-run A/B
+  # of -O3 and -O1 at T = 1..16 (PTX_REPS alternations), then -O1's timeline (per-SM stream rates, by rank)
+  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda_ptxas.py \
+    tests/backends/kernels/test_moe_cuda.py -k "ptxas or o1 or shared_copy" > "$OUT/t_ptxas.log" 2>&1
+  local rc=$?; mark ptxas_tests; tail -3 "$OUT/t_ptxas.log"
+  [ "$rc" -ne 0 ] && { echo "ptxas: GPU tests rc=$rc, no timing"; return; }
+  ab ptxas_ab "${PTX_REPS:-2}" "${PTX_TOKENS:-1,2,4,8,16}" 150 "o3=" "o1=--knob PTXAS_OPT=1"
+  timeout 150 python benchmarks/bench_moe_cta_timeline.py --tokens 1,4,16 --knob PTXAS_OPT=1 --tag _o1 \
+    > "$OUT/cta_timeline_o1.txt" 2>&1
+  mark ptxas_timeline; grep -E '^T =|rank' "$OUT/cta_timeline_o1.txt"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -161,9 +175,9 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire) "$step" ;;
-    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline, queue or" \
-         "acquire" >&2
+    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire|ptxas) "$step" ;;
+    *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline, queue," \
+         "acquire or ptxas" >&2
        exit 2 ;;
   esac
 done

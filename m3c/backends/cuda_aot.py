@@ -46,6 +46,9 @@ class CudaKernelSpec:
     pdl: bool = False
     """Launch with programmatic dependent launch: the kernel may start while the previous kernel on the stream runs
     and must call ``grid_wait()`` (ptx_common.cuh) before reading that kernel's outputs or writing anything."""
+    ptxas_opt: int = 3
+    """ptxas's optimization level (``-Xptxas -O<n>``; nvcc's own stays -O3): its instruction scheduling differs by
+    level (e.g. where it places loads among the math)."""
 
     def key(self) -> str:
         """A stable name for this specialization (family + sha of the source text, kernel, defines, launch);
@@ -54,7 +57,8 @@ class CudaKernelSpec:
         if cached is None:
             blob = json.dumps([self.family, self.source, _source_sha(self.source), self.kernel,
                                list(self.arg_types), list(self.defines), self.num_warps, self.shared_bytes,
-                               *(["pdl"] if self.pdl else [])])
+                               *(["pdl"] if self.pdl else []),
+                               *([f"ptxas -O{self.ptxas_opt}"] if self.ptxas_opt != 3 else [])])
             cached = f"{self.family}_{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
             object.__setattr__(self, "_key", cached)  # frozen: specs are immutable, so the key is too
         return cached
@@ -122,7 +126,7 @@ def compile_cuda(spec: CudaKernelSpec, arch: str = "sm_90a", target_name: str = 
                  keep_sass: bool = False) -> CompiledKernel:
     """nvcc -cubin for `arch` (one nvcc run per source and defines: the kernels of one .cu share it); the
     CompiledKernel's stages hold the source, the PTX (and the SASS with `keep_sass`)."""
-    binary, ptx = _nvcc(spec.source, spec.defines, arch)
+    binary, ptx = _nvcc(spec.source, spec.defines, arch, spec.ptxas_opt)
     stages = {"cu": source_text(spec.source), "ptx": ptx}
     if keep_sass:
         stages["sass"] = disassemble(binary)
@@ -132,13 +136,14 @@ def compile_cuda(spec: CudaKernelSpec, arch: str = "sm_90a", target_name: str = 
 
 
 @functools.lru_cache(maxsize=64)
-def _nvcc(source: str, defines: tuple[tuple[str, int], ...], arch: str) -> tuple[bytes, str]:
-    """(cubin, ptx) of one source with -D defines (cached per process; the source's sha is in every spec key)."""
+def _nvcc(source: str, defines: tuple[tuple[str, int], ...], arch: str, ptxas_opt: int = 3) -> tuple[bytes, str]:
+    """(cubin, ptx) of one source with -D defines and ptxas at -O`ptxas_opt` (cached per process; the source's sha
+    is in every spec key)."""
     src = SOURCE_DIR / source
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "k.cubin"
         cmd = [find_nvcc(), f"-arch={arch}", "-cubin", "-O3", "-std=c++17", "-keep", "-keep-dir", tmp, "-o", str(out),
-               str(src), *[f"-D{k}={v}" for k, v in defines]]
+               str(src), *[f"-D{k}={v}" for k, v in defines], *(["-Xptxas", f"-O{ptxas_opt}"] if ptxas_opt != 3 else [])]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             raise KernelCompileError(f"{source}: nvcc failed for {arch}:\n{' '.join(cmd)}\n{res.stderr[-3000:]}")

@@ -108,6 +108,13 @@ above the routed experts'). With :data:`NATURAL` (off) the looping build's FC2 s
 NT = 1 looping build (T = 9..32) at T = 16 2.6% faster (277.0 / 276.9 -> 269.8 / 270.1 us); the plain NT = 1 build
 slower at T = 1 (63.2 / 66.0 -> 66.7 / 67.0) and T = 4 (+1%), so it stays off there."""
 DECODE = 0  # 0: E2M1 -> f16 high byte by prmt; 1: -> E4M3 by prmt, then cvt.f16x2.e4m3x2; 2: loads only (a probe)
+PTXAS_OPT = 3
+"""ptxas's optimization level for the decode builds (``CudaKernelSpec.ptxas_opt``). At -O3 ptxas places the next
+super-chunk's weight loads after ~15-24 of a step's 32 MMAs (its latency model), whatever their source order; at -O1
+it leaves them at the top of each step, where the source puts them (every build, offline sm_90a, no spills, ~2% more
+instructions in the NVFP4 loop). The same instructions otherwise: bitwise the same output. Untimed (session 37 ran
+out of device time): the A/B is ``device_check.sh ptxas``; the sessions' model of the decode's cost (a step's
+period ~ the point its next loads issue + their loaded latency) predicts -O1 faster at T = 2..16."""
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
 copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`) reads the prepacked copy too,
@@ -401,7 +408,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0)
+                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT)
 
 
 @functools.cache
@@ -409,7 +416,7 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
-               acquire_last: bool = False, timeline_at: int = 0) -> tuple[CudaKernelSpec, ...]:
+               acquire_last: bool = False, timeline_at: int = 0, ptxas_opt: int = 3) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
@@ -420,7 +427,8 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
-        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl)
+        return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl,
+                              ptxas_opt)
 
     fc1_args = ("*x *x16 *xmult T *ids topk E n_slots *rcode *rscale *rrow rows *scode *sscale srows H KSr KSs *h P "
                 "ROWS" + (" *act *counters" if fold_act else "")
