@@ -92,6 +92,16 @@ def summarize(ctas: list[dict], bin_us: float) -> dict:
             per_sm[c["sm"]] = per_sm.get(c["sm"], 0.0) + c["bytes"] / 1e3
         loads = sorted(per_sm.values())
         res[k].update({"sm_kb_min": loads[0], "sm_kb_median": med(loads), "sm_kb_max": loads[-1]})
+        # each SM's rate: its bytes over the time from the kernel's first entry to its own last exit. If every SM
+        # streamed at the median rate with equal bytes, the kernel would take equal_span_us: near the span, the
+        # kernel is bound by the SMs' rate, not by a tail (session 37: ~26 GB/s an SM with the decode math, ~31.5
+        # with the loads alone)
+        k0, ends = min(c["entry"] for c in cs), {}
+        for c in work:
+            ends[c["sm"]] = max(ends.get(c["sm"], 0), c["exit"])
+        rates = sorted(per_sm[sm] * 1e3 / max(ends[sm] - k0, 1) for sm in per_sm)  # bytes a ns = GB/s
+        res[k].update({"sm_gbps_min": rates[0], "sm_gbps_median": med(rates), "sm_gbps_max": rates[-1],
+                       "equal_span_us": sum(per_sm.values()) / len(per_sm) / med(rates)})
         res[k]["by_rank"] = by_rank(cs, rel)
     res["gap_us"] = res["moe_fc2"]["first_entry"] - res["moe_fc1"]["last_exit"]
     end = max(c["exit"] for c in ctas)
@@ -150,7 +160,7 @@ def show(r: dict, bin_us: float) -> None:
           f"first entry {r['gap_us']:.2f} µs; timer step {r['timer_step_ns']} ns")
     keys = ("ctas", "with_work", "bytes_mb", "first_entry", "last_entry", "first_gemv_end", "first_exit", "last_exit",
             "pre_us_median", "stream_us_median", "stream_us_max", "post_us_median", "post_us_max", "ctas_per_sm_max",
-            "sm_kb_min", "sm_kb_median", "sm_kb_max")
+            "sm_kb_min", "sm_kb_median", "sm_kb_max", "sm_gbps_min", "sm_gbps_median", "sm_gbps_max", "equal_span_us")
     print(f"  {'':<18}" + "".join(f"{k:>10}" for k in ("moe_fc1", "moe_fc2")))
     for k in keys:
         print(f"  {k:<18}" + "".join(f"{r[n][k]:>10.2f}" for n in ("moe_fc1", "moe_fc2")))

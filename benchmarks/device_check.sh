@@ -13,7 +13,7 @@
 #   bash benchmarks/device_check.sh timeline     # the decode CTA by CTA (moe_cuda.TIMELINE) at T = 1, 4, 16 (~90 s)
 #   bash benchmarks/device_check.sh queue        # QUEUE (FC1 + FC2 in one launch): GPU tests, A/B at T = 1, timeline
 #   bash benchmarks/device_check.sh acquire      # ACQUIRE_LAST and QUEUE: their GPU tests, A/B of the four at T = 1
-#   bash benchmarks/device_check.sh ptxas        # PTXAS_OPT = 1 (loads at each step's top): GPU tests, A/B, timeline
+#   bash benchmarks/device_check.sh ptxas        # PTXAS_OPT = 1 and HALF (loads issued earlier): GPU tests, A/B, timelines
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -150,17 +150,22 @@ acquire() {  # ACQUIRE_LAST (the folds' arrivals release; the last CTA alone acq
   mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
 }
 
-ptxas() {  # the decode builds at ptxas -O1 (moe_cuda.PTXAS_OPT: each step's next weight loads at its top): the GPU
-  # tests (bitwise -O3's output; the routing ids on both sides of find_block's shared copy) first, then a same-run A/B
-  # of -O3 and -O1 at T = 1..16 (PTX_REPS alternations), then -O1's timeline (per-SM stream rates, by rank)
-  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda_ptxas.py \
-    tests/backends/kernels/test_moe_cuda.py -k "ptxas or o1 or shared_copy" > "$OUT/t_ptxas.log" 2>&1
+ptxas() {  # the decode builds at ptxas -O1 (moe_cuda.PTXAS_OPT: each step's next weight loads at its top) and with
+  # HALF (four half-super-chunk buffers, loads 1.5 super-chunks ahead): the GPU tests (bitwise the default's output;
+  # the routing ids on both sides of find_block's shared copy) first, then a same-run A/B of the four at T = 1..16
+  # (PTX_REPS alternations), then the timelines (per-SM stream rates, by rank) of -O1 and HALF at -O1
+  timeout 250 python -m pytest -m gpu -q -p no:cacheprovider tests/backends/kernels/test_moe_cuda_ptxas.py \
+    tests/backends/kernels/test_moe_cuda.py -k "ptxas or shared_copy" > "$OUT/t_ptxas.log" 2>&1
   local rc=$?; mark ptxas_tests; tail -3 "$OUT/t_ptxas.log"
   [ "$rc" -ne 0 ] && { echo "ptxas: GPU tests rc=$rc, no timing"; return; }
-  ab ptxas_ab "${PTX_REPS:-2}" "${PTX_TOKENS:-1,2,4,8,16}" 150 "o3=" "o1=--knob PTXAS_OPT=1"
-  timeout 150 python benchmarks/bench_moe_cta_timeline.py --tokens 1,4,16 --knob PTXAS_OPT=1 --tag _o1 \
-    > "$OUT/cta_timeline_o1.txt" 2>&1
-  mark ptxas_timeline; grep -E '^T =|rank' "$OUT/cta_timeline_o1.txt"
+  ab ptxas_ab "${PTX_REPS:-2}" "${PTX_TOKENS:-1,2,4,8,16}" 150 "o3=" "o1=--knob PTXAS_OPT=1" \
+    "half_o1=--knob PTXAS_OPT=1 --knob HALF=1" "half_o3=--knob HALF=1"
+  local tag
+  for tag in o1 half_o1; do
+    timeout 100 python benchmarks/bench_moe_cta_timeline.py --tokens 4,16 --knob PTXAS_OPT=1 \
+      $([ "$tag" = half_o1 ] && echo --knob HALF=1) --tag "_$tag" > "$OUT/cta_timeline_$tag.txt" 2>&1
+    mark "timeline_$tag"; grep -E '^T =' "$OUT/cta_timeline_$tag.txt"
+  done
 }
 
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM

@@ -115,6 +115,11 @@ it leaves them at the top of each step, where the source puts them (every build,
 instructions in the NVFP4 loop). The same instructions otherwise: bitwise the same output. Untimed (session 37 ran
 out of device time): the A/B is ``device_check.sh ptxas``; the sessions' model of the decode's cost (a step's
 period ~ the point its next loads issue + their loaded latency) predicts -O1 faster at T = 2..16."""
+HALF = False
+"""Stream the weights through four half-super-chunk register buffers (define ``HALF``): the same registers as two
+whole ones, the loads 1.5 super-chunks ahead of the math instead of one (three halves in flight while one is
+decoded; with :data:`PTXAS_OPT` = 1 ptxas leaves them where the source puts them). Bitwise the same output (the
+same products in the same order). Untimed (session 37): ``device_check.sh ptxas`` times it too."""
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
 copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`) reads the prepacked copy too,
@@ -402,13 +407,15 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     why = _cta_too_small(tmax)
     if why:
         raise ConfigError(f"moe_cuda: {why}")
+    if HALF and NATURAL:
+        raise ConfigError("moe_cuda: HALF streams the prepacked layout only; set NATURAL = False")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     pdl = PDL.get("fold", PDL.get(nt, ())) if fold else PDL.get(nt, ())
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT)
+                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT, HALF)
 
 
 @functools.cache
@@ -416,14 +423,15 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
-               acquire_last: bool = False, timeline_at: int = 0, ptxas_opt: int = 3) -> tuple[CudaKernelSpec, ...]:
+               acquire_last: bool = False, timeline_at: int = 0, ptxas_opt: int = 3,
+               half: bool = False) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
          *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
-         *((("TL_AT", timeline_at),) if timeline_at else ()))
+         *((("TL_AT", timeline_at),) if timeline_at else ()), *((("HALF", 1),) if half else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:

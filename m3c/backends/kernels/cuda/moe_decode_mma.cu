@@ -362,12 +362,15 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.f;
   const long tile = (long)row / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
-  if (b.expert >= 0 && NATURAL) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
+#if NATURAL  // (compiled only where it runs: the HALF GEMV takes the prepacked streams only)
+  if (b.expert >= 0) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
     const long r0 = (long)b.expert * rows_total + row + g;
     const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;
     const u8* s = rscale + r0 * (K / 16) + (long)b.ks * Kc / 16 + 2 * j;
     gemv<N>(Nvfp4NaturalStream{c, s, K / 2, K / 16}, Kc / 256, xs, Kc, cnt, acc, stage);
-  } else if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
+  } else
+#endif
+  if (b.expert >= 0) {  // prepacked codes (16 rows x K / 2 bytes a tile) and scales (K bytes a tile)
     const long tb = (long)K * 8, tsb = (long)K;
     const u8* c = rcode + tile * tb + (long)b.ks * Kc * 8 + lane * 16;
     const u8* s = rscale + tile * tsb + (long)b.ks * Kc + lane * 8;
