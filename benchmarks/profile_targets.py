@@ -5,7 +5,9 @@ indexer decode, 1M tokens, batch 1 / 8), ``attn1m`` (MSA sparse-attention decode
 3 times (warm-up and JIT compiles first), then synchronizes; profile the last launch with e.g.
 ``ncu --kernel-name regex:moe_prefill_fc1 --launch-skip 2 --launch-count 1 --set full``.
 
-Usage (H200): PYTHONPATH=. python benchmarks/profile_targets.py moe1 [--trace]
+Usage (H200): PYTHONPATH=. python benchmarks/profile_targets.py moe1 [--trace] [--knob PTXAS_OPT=1 ...]
+
+``--knob NAME=INT`` sets a ``moe_cuda`` knob first (as ``bench_moe_ab.py --knob``), to profile another decode build.
 
 ``--trace`` runs the target under torch.profiler instead (no ncu) and prints every GPU kernel's mean
 device time over the timed calls, plus the sum: it shows which launches a step is made of and how long
@@ -22,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import kernel_times
+from bench_moe_ab import set_knobs
 from bench_msa import BS, TOPK, D, make_batch
 
 from m3c.backends.kernels.megamoe import megamoe
@@ -71,6 +74,7 @@ def trace(which: str, calls: int = 20) -> None:
 
 if __name__ == "__main__":
     which = sys.argv[1]
+    set_knobs([sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a == "--knob"])
     if "--trace" in sys.argv:
         trace(which)
     else:

@@ -112,14 +112,9 @@ PTXAS_OPT = 3
 """ptxas's optimization level for the decode builds (``CudaKernelSpec.ptxas_opt``). At -O3 ptxas places the next
 super-chunk's weight loads after ~15-24 of a step's 32 MMAs (its latency model), whatever their source order; at -O1
 it leaves them at the top of each step, where the source puts them (every build, offline sm_90a, no spills, ~2% more
-instructions in the NVFP4 loop). The same instructions otherwise: bitwise the same output. Untimed (session 37 ran
-out of device time): the A/B is ``device_check.sh ptxas``; the sessions' model of the decode's cost (a step's
-period ~ the point its next loads issue + their loaded latency) predicts -O1 faster at T = 2..16."""
-HALF = False
-"""Stream the weights through four half-super-chunk register buffers (define ``HALF``): the same registers as two
-whole ones, the loads 1.5 super-chunks ahead of the math instead of one (three halves in flight while one is
-decoded; with :data:`PTXAS_OPT` = 1 ptxas leaves them where the source puts them). Bitwise the same output (the
-same products in the same order). Untimed (session 37): ``device_check.sh ptxas`` times it too."""
+instructions in the NVFP4 loop). The same instructions otherwise: bitwise the same output. Measured on the H200
+(session 38, same run, two alternations, whole op): -O1 is 8-11% slower at T = 1..8 and 1% faster at T = 16, so
+-O3 stays (the loads' issue point is not what bounds the decode; benchmarks/RESULTS.md, session 38)."""
 NATURAL = False
 """Read the routed NVFP4 experts in the checkpoint's own layout (``Nvfp4NaturalStream``) instead of the prepacked
 copy. Since session 16 the wgmma prefill (:mod:`m3c.backends.kernels.moe_prefill_cuda`) reads the prepacked copy too,
@@ -201,6 +196,11 @@ last_timeline: list[torch.Tensor] = []
 TIMELINE_AT = 0
 """Where :data:`TIMELINE` stamps its second word (define ``TL_AT``): 0 before the staging, 1 after FC1's routed
 items' wait (FC2: at entry), 2 after finding the item's expert; so the time before the staging splits into parts."""
+L2_HINT = 0
+"""The weight codes' loads with L2's prefetch-size qualifier (define ``L2_HINT``): 128 or 256 (``.L2::128B`` /
+``.L2::256B``, L2 fetching that many bytes around a miss), 0 without it. A warp's load already covers 512
+contiguous bytes; the hint may still let DRAM serve each super-chunk's 2 KB in fewer, larger requests. Session 38:
+off until timed (``device_check.sh why``)."""
 
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int | str, tuple[str, ...]] = {1: ("moe_fc1", "moe_fc2"), 2: PDL_KERNELS, "fold": ()}
@@ -407,15 +407,15 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     why = _cta_too_small(tmax)
     if why:
         raise ConfigError(f"moe_cuda: {why}")
-    if HALF and NATURAL:
-        raise ConfigError("moe_cuda: HALF streams the prepacked layout only; set NATURAL = False")
+    if L2_HINT not in (0, 128, 256):
+        raise ConfigError(f"moe_cuda: L2_HINT = {L2_HINT}: the prefetch-size qualifier is 128 or 256 bytes (0: none)")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     pdl = PDL.get("fold", PDL.get(nt, ())) if fold else PDL.get(nt, ())
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT, HALF)
+                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT, L2_HINT)
 
 
 @functools.cache
@@ -424,14 +424,15 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
                acquire_last: bool = False, timeline_at: int = 0, ptxas_opt: int = 3,
-               half: bool = False) -> tuple[CudaKernelSpec, ...]:
+               l2_hint: int = 0) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
          *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
-         *((("TL_AT", timeline_at),) if timeline_at else ()), *((("HALF", 1),) if half else ()))
+         *((("TL_AT", timeline_at),) if timeline_at else ()),
+         *((("L2_HINT", l2_hint),) if l2_hint else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:

@@ -1,7 +1,6 @@
-"""``moe_cuda.PTXAS_OPT`` and ``moe_cuda.HALF``: the decode builds with ptxas at another optimization level, and the
-GEMV through four half-super-chunk buffers. In the SASS (offline sm_90a) -O1 leaves each step's next weight loads
-at the top of the step, before its MMAs, where -O3 moves them among the MMAs (with HALF: at the top of each half);
-on the GPU the output is bitwise the default build's (the same products in the same order)."""
+"""``moe_cuda.PTXAS_OPT``: the decode builds with ptxas at another optimization level. In the SASS (offline sm_90a)
+-O1 leaves each step's next weight loads at the top of the step, before its MMAs, where -O3 moves them among the
+MMAs; on the GPU the output is bitwise the default build's (the same products in the same order)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import torch
 from test_moe_cuda import _case, kernel_sass
 
 from m3c.backends.kernels import moe_cuda
-from m3c.errors import ConfigError
 
 
 def _loop_load_positions(sass: str) -> list[list[int]]:
@@ -57,28 +55,6 @@ def test_o1_issues_each_steps_weight_loads_before_its_mmas(tokens: int, monkeypa
     assert any(p not in (0, 32) for p in placements[3]), placements[3]
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 33])
-def test_half_at_o1_issues_each_halfs_loads_before_its_mmas(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """HALF at -O1: a loop trip is four halves of 16 MMAs, and every weight load comes before the first MMA of a
-    half (0, 16, 32 or 48 MMAs before it): half i + 3's loads are issued before half i is decoded."""
-    monkeypatch.setattr(moe_cuda, "PTXAS_OPT", 1)
-    monkeypatch.setattr(moe_cuda, "HALF", True)
-    build = moe_cuda.call_build(tokens, 6144, 1536, 64, 8, 1536)
-    specs = {sp.kernel: sp for sp in moe_cuda.mma_specs(6144, 1536, 1536, "bf16", *build)}
-    for kernel in ("moe_fc1", "moe_fc2"):
-        assert ("HALF", 1) in specs[kernel].defines
-        loops = _loop_load_positions(kernel_sass(specs[kernel]))
-        positions = {p for loop in loops for p in loop}
-        assert loops and positions <= {0, 16, 32, 48} and len(positions) == 4, (kernel, positions)
-
-
-def test_half_refuses_the_natural_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(moe_cuda, "HALF", True)
-    monkeypatch.setattr(moe_cuda, "NATURAL", True)
-    with pytest.raises(ConfigError, match="HALF"):
-        moe_cuda.mma_specs(6144, 1536, 1536, "bf16")
-
-
 def test_the_level_is_in_the_key() -> None:
     """A build at another ptxas level is its own compiled binary (its key differs); -O3 keeps the keys of before."""
     plain = moe_cuda.mma_specs(6144, 1536, 1536, "bf16")
@@ -89,14 +65,11 @@ def test_the_level_is_in_the_key() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 4, 40])  # the folded, plain and NT = 2 looping builds
-@pytest.mark.parametrize("level, half", [(1, False), (3, True), (1, True)])
-def test_output_is_bitwise_the_default_builds(t: int, level: int, half: bool,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_output_is_bitwise_the_default_builds(t: int, monkeypatch: pytest.MonkeyPatch) -> None:
     moe, mm, x, ids, w = _case(t, 6144, 1536, 64, 8, "mxfp8", torch.bfloat16)
     w13, w2, s13, s2 = mm.weights()
     plain = moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2)
-    monkeypatch.setattr(moe_cuda, "PTXAS_OPT", level)
-    monkeypatch.setattr(moe_cuda, "HALF", half)
+    monkeypatch.setattr(moe_cuda, "PTXAS_OPT", 1)
     out = torch.full_like(x, float("nan"))
     moe_cuda.moe_decode_mma(x, ids, w.float(), w13, w2, s13, s2, out=out)
     assert torch.equal(out, plain)

@@ -362,7 +362,7 @@ __device__ __forceinline__ void run_tiles(const Block& b, int rows_total, int K,
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.f;
   const long tile = (long)row / 16 + (b.expert >= 0 ? (long)b.expert * (rows_total / 16) : 0);
-#if NATURAL  // (compiled only where it runs: the HALF GEMV takes the prepacked streams only)
+#if NATURAL  // (compiled only where it runs)
   if (b.expert >= 0) {  // natural codes [E, rows, K / 2] and scales [E, rows, K / 16]
     const long r0 = (long)b.expert * rows_total + row + g;
     const u8* c = rcode + r0 * (K / 2) + (long)b.ks * Kc / 2 + 16 * j;

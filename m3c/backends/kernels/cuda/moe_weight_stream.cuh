@@ -1,15 +1,33 @@
 // How a warp streams a 128-row CTA's weights for the MegaMoE decode (moe_decode_mma.cu): the NVFP4 (prepacked or
 // natural layout) and MXFP8 tile streams, their decode into mma.sync m16n8k16 f16 A fragments, the double-buffered
 // GEMV over a K range and the staging hook (EARLY). Macros from the including file: ROWT (16-row tiles a warp),
-// DECODE, EARLY, NATURAL, HALF (1: the GEMV through four half-super-chunk buffers). No system headers.
+// DECODE, EARLY, L2_HINT. No system headers.
 #pragma once
 
 #include "ptx_common.cuh"
 
-#ifndef HALF
-#define HALF 0
+#ifndef L2_HINT
+#define L2_HINT 0
 #endif
-static_assert(HALF == 0 || !NATURAL, "HALF: the prepacked streams only");
+
+// A lane's 16 bytes of weight codes (read once: no L1 allocation). L2_HINT 128 / 256 adds the prefetch-size
+// qualifier (.L2::128B / .L2::256B: L2 fetches that many bytes around a miss from DRAM); 0 leaves it out.
+__device__ __forceinline__ uint4 ld_weights4(const u8* p) {
+#if L2_HINT == 0
+  return ld_stream4(p);
+#else
+  uint4 r;
+#if L2_HINT == 256
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+#elif L2_HINT == 128
+  asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
+#else
+#error "L2_HINT: 0, 128 or 256"
+#endif
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+#endif
+}
 
 // Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
 // rows' scale pairs.
@@ -62,29 +80,22 @@ __device__ __forceinline__ void token_rows(const u16* (&xrow)[N], const u16* xs,
 }
 
 // One super-chunk (256 K) of NVFP4 codes / scales for the warp's tiles: [tile][super-chunk][chunk][lane][16 B]
-// codes, [tile][super-chunk][lane][8 B] scales; or its NC chunks from C0 (HALF: 2 from 0 or 2, with their scale
-// word, .x or .y of sb, the other 0).
-template <int C0 = 0, int NC = 4>
-__device__ __forceinline__ void load_nvfp4(uint4 (&cb)[ROWT][NC], uint2 (&sb)[ROWT], const u8* code,
-                                           const u8* scale, long tile_bytes, long tile_sbytes, int sc) {
+// codes, [tile][super-chunk][lane][8 B] scales.
+__device__ __forceinline__ void load_nvfp4(uint4 (&cb)[ROWT][4], uint2 (&sb)[ROWT], const u8* code, const u8* scale,
+                                           long tile_bytes, long tile_sbytes, int sc) {
 #pragma unroll
   for (int t = 0; t < ROWT; ++t) {
 #pragma unroll
-    for (int c = 0; c < NC; ++c) cb[t][c] = ld_stream4(code + t * tile_bytes + (long)sc * 2048 + (C0 + c) * 512);
-    if (NC == 4) {
-      sb[t] = ld_stream2(scale + t * tile_sbytes + (long)sc * 256);
-    } else {
-      const u32 v = ld_stream1(scale + t * tile_sbytes + (long)sc * 256 + 4 * (C0 / 2));
-      sb[t] = C0 < 2 ? make_uint2(v, 0u) : make_uint2(0u, v);
-    }
+    for (int c = 0; c < 4; ++c) cb[t][c] = ld_weights4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
+    sb[t] = ld_stream2(scale + t * tile_sbytes + (long)sc * 256);
   }
 }
 
-template <int N, int C0 = 0, int NC = 4>
-__device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][NC], const uint2 (&sb)[ROWT], int sc,
+template <int N>
+__device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][4], const uint2 (&sb)[ROWT], int sc,
                                           const u16* const (&xrow)[N], float (*acc)[N][4]) {
 #pragma unroll
-  for (int c = C0; c < C0 + NC; ++c) {
+  for (int c = 0; c < 4; ++c) {
     u32 sg[ROWT], sg8[ROWT];
 #pragma unroll
     for (int t = 0; t < ROWT; ++t) {
@@ -99,8 +110,7 @@ __device__ __forceinline__ void mma_nvfp4(const uint4 (&cb)[ROWT][NC], const uin
       load_b<N>(b, xrow, k);
 #pragma unroll
       for (int t = 0; t < ROWT; ++t) {
-        const uint4 q = cb[t][c - C0];
-        u32 w = s == 0 ? q.x : s == 1 ? q.y : s == 2 ? q.z : q.w;
+        u32 w = s == 0 ? cb[t][c].x : s == 1 ? cb[t][c].y : s == 2 ? cb[t][c].z : cb[t][c].w;
         u32 a[4];
         decode_nvfp4(w, sg[t], sg8[t], a);
 #pragma unroll
@@ -115,14 +125,13 @@ struct Nvfp4Stream {  // a warp's NVFP4 tiles for one K split: the lane's codes 
   const u8* scale;
   long tile_bytes, tile_sbytes;
   static constexpr int k_lane = 16;  // lane j's scale group holds K 16 j .. 16 j + 15 of each 64-K chunk
-  template <int C0 = 0, int NC = 4>
-  __device__ __forceinline__ void load(uint4 (&c)[ROWT][NC], uint2 (&s)[ROWT], int sc) const {
-    load_nvfp4<C0, NC>(c, s, code, scale, tile_bytes, tile_sbytes, sc);
+  __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
+    load_nvfp4(c, s, code, scale, tile_bytes, tile_sbytes, sc);
   }
-  template <int N, int C0 = 0, int NC = 4>
-  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][NC], const uint2 (&s)[ROWT], int sc,
+  template <int N>
+  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
                                       const u16* const (&xrow)[N], float (*acc)[N][4]) const {
-    mma_nvfp4<N, C0, NC>(c, s, sc, xrow, acc);
+    mma_nvfp4<N>(c, s, sc, xrow, acc);
   }
 };
 
@@ -151,10 +160,9 @@ struct Nvfp4NaturalStream {
       s[t] = make_uint2(sw[0] | (sw[1] << 16), sw[2] | (sw[3] << 16));  // row g: pieces 0, 1 | row g + 8
     }
   }
-  template <int N, int C0 = 0, int NC = 4>
+  template <int N>
   __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
                                       const u16* const (&xrow)[N], float (*acc)[N][4]) const {
-    static_assert(C0 == 0 && NC == 4, "the natural layout's stream runs whole super-chunks");
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
 #pragma unroll
@@ -186,31 +194,29 @@ struct Nvfp4NaturalStream {
 };
 
 // One super-chunk (128 K) of MXFP8 codes ([tile][super-chunk][unit][lane][16 B]) and the E8M0 scales of rows g and
-// g + 8 (natural layout: `scale` points at row g's scales for this K split, `srow` bytes a row); or its NC units from
-// C0 (HALF), with both scale words.
-template <int C0 = 0, int NC = 4>
-__device__ __forceinline__ void load_mxfp8(uint4 (&cw)[ROWT][NC], uint2 (&sw)[ROWT], const u8* code,
-                                           const u8* scale, long tile_bytes, long tile_sbytes, int srow, int sc) {
+// g + 8 (natural layout: `scale` points at row g's scales for this K split, `srow` bytes a row).
+__device__ __forceinline__ void load_mxfp8(uint4 (&cw)[ROWT][4], uint2 (&sw)[ROWT], const u8* code, const u8* scale,
+                                           long tile_bytes, long tile_sbytes, int srow, int sc) {
 #pragma unroll
   for (int t = 0; t < ROWT; ++t) {
 #pragma unroll
-    for (int c = 0; c < NC; ++c) cw[t][c] = ld_stream4(code + t * tile_bytes + (long)sc * 2048 + (C0 + c) * 512);
+    for (int c = 0; c < 4; ++c) cw[t][c] = ld_weights4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
     sw[t].x = *(const u32*)(scale + t * tile_sbytes + sc * 4);              // row g: 4 groups of 32
     sw[t].y = *(const u32*)(scale + t * tile_sbytes + 8L * srow + sc * 4);  // row g + 8
   }
 }
 
-template <int N, int C0 = 0, int NC = 4>
-__device__ __forceinline__ void mma_mxfp8(const uint4 (&cw)[ROWT][NC], const uint2 (&sw)[ROWT], int sc,
+template <int N>
+__device__ __forceinline__ void mma_mxfp8(const uint4 (&cw)[ROWT][4], const uint2 (&sw)[ROWT], int sc,
                                           const u16* const (&xrow)[N], float (*acc)[N][4]) {
 #pragma unroll
-  for (int q = 2 * C0; q < 2 * (C0 + NC); ++q) {  // steps of 16 K: step q lane j covers k = 16 q + 4 j + 0..3
+  for (int q = 0; q < 8; ++q) {  // 8 steps of 16 K: step q lane j covers k = 16 q + 4 j + 0..3 (one E8M0 group)
     const int k = sc * 128 + q * 16;
     u32 b[N][2];
     load_b<N>(b, xrow, k);
 #pragma unroll
     for (int t = 0; t < ROWT; ++t) {
-      const uint4 v = cw[t][(q >> 1) - C0];
+      const uint4 v = cw[t][q >> 1];
       u32 w0 = (q & 1) ? v.z : v.x, w1 = (q & 1) ? v.w : v.y;
       float sg = e8m0_float((sw[t].x >> (8 * (q >> 1))) & 0xFFu);
       float sg8 = e8m0_float((sw[t].y >> (8 * (q >> 1))) & 0xFFu);
@@ -234,33 +240,32 @@ struct Mxfp8Stream {  // a warp's MXFP8 tiles for one K split (scales: row g's, 
   long tile_bytes, tile_sbytes;
   int srow;
   static constexpr int k_lane = 4;  // lane j holds K 4 j .. 4 j + 3 of each 16-K step
-  template <int C0 = 0, int NC = 4>
-  __device__ __forceinline__ void load(uint4 (&c)[ROWT][NC], uint2 (&s)[ROWT], int sc) const {
-    load_mxfp8<C0, NC>(c, s, code, scale, tile_bytes, tile_sbytes, srow, sc);
+  __device__ __forceinline__ void load(uint4 (&c)[ROWT][4], uint2 (&s)[ROWT], int sc) const {
+    load_mxfp8(c, s, code, scale, tile_bytes, tile_sbytes, srow, sc);
   }
-  template <int N, int C0 = 0, int NC = 4>
-  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][NC], const uint2 (&s)[ROWT], int sc,
+  template <int N>
+  __device__ __forceinline__ void mma(const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
                                       const u16* const (&xrow)[N], float (*acc)[N][4]) const {
-    mma_mxfp8<N, C0, NC>(c, s, sc, xrow, acc);
+    mma_mxfp8<N>(c, s, sc, xrow, acc);
   }
 };
 
 // One super-chunk's decode + MMA; DECODE 2 (a benchmark probe of the weight stream alone, wrong output: what the
 // kernels' loads, staging and grids cost without their math) XORs the loaded words into one accumulator instead.
-template <int N, int C0 = 0, int NC = 4, class Stream>
-__device__ __forceinline__ void math(const Stream& w, const uint4 (&c)[ROWT][NC], const uint2 (&s)[ROWT], int sc,
+template <int N, class Stream>
+__device__ __forceinline__ void math(const Stream& w, const uint4 (&c)[ROWT][4], const uint2 (&s)[ROWT], int sc,
                                      const u16* const (&xrow)[N], float (*acc)[N][4]) {
 #if DECODE == 2
   u32 f = 0u;
 #pragma unroll
   for (int t = 0; t < ROWT; ++t) {
 #pragma unroll
-    for (int q = 0; q < NC; ++q) f ^= c[t][q].x ^ c[t][q].y ^ c[t][q].z ^ c[t][q].w;
+    for (int q = 0; q < 4; ++q) f ^= c[t][q].x ^ c[t][q].y ^ c[t][q].z ^ c[t][q].w;
     f ^= s[t].x ^ s[t].y;
   }
   acc[0][0][0] += __uint_as_float(f & 0x007FFFFFu);
 #else
-  w.template mma<N, C0, NC>(c, s, sc, xrow, acc);
+  w.template mma<N>(c, s, sc, xrow, acc);
 #endif
 }
 
@@ -268,36 +273,6 @@ __device__ __forceinline__ void math(const Stream& w, const uint4 (&c)[ROWT][NC]
 // each), two register buffers: the next super-chunk's loads are in flight while one is decoded. (A third buffer
 // measured slower on the H200: 158 registers, 3 CTAs per SM; so did asking L2 for the super-chunk 4 ahead, 10-20%:
 // benchmarks/RESULTS.md, session 21.) stage(): see staged().
-#if HALF
-// The same GEMV through four half-super-chunk register buffers (the same 72 registers as two whole ones): half i + 3
-// is loaded before half i is decoded, so 1.5 super-chunks are in flight during the math, not one (with PTXAS_OPT = 1
-// ptxas keeps the loads where the source puts them). Half 2 m + h is super-chunk m's chunks 2 h, 2 h + 1.
-template <int N, class Stream, class Stage>
-__device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4],
-                     const Stage& stage) {
-  const u16* xrow[N];
-  token_rows<N>(xrow, xs, Kc, cnt, Stream::k_lane * (threadIdx.x & 3));
-  uint4 c0[ROWT][2], c1[ROWT][2], c2[ROWT][2], c3[ROWT][2];
-  uint2 s0[ROWT], s1[ROWT], s2[ROWT], s3[ROWT];
-  const int nh = 2 * nsc;  // (even)
-  w.template load<0, 2>(c0, s0, 0);
-  w.template load<2, 2>(c1, s1, 0);
-  if (nsc > 1) w.template load<0, 2>(c2, s2, 1);
-  stage();
-  for (int i = 0; i < nh; i += 4) {
-    const int m = i >> 1;  // halves i, i + 1: super-chunk m; i + 2, i + 3: m + 1
-    if (i + 3 < nh) w.template load<2, 2>(c3, s3, m + 1);
-    math<N, 0, 2>(w, c0, s0, m, xrow, acc);
-    if (i + 4 < nh) w.template load<0, 2>(c0, s0, m + 2);
-    math<N, 2, 2>(w, c1, s1, m, xrow, acc);
-    if (i + 2 >= nh) break;
-    if (i + 5 < nh) w.template load<2, 2>(c1, s1, m + 2);
-    math<N, 0, 2>(w, c2, s2, m + 1, xrow, acc);
-    if (i + 6 < nh) w.template load<0, 2>(c2, s2, m + 3);
-    math<N, 2, 2>(w, c3, s3, m + 1, xrow, acc);
-  }
-}
-#else
 template <int N, class Stream, class Stage>
 __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, float (*acc)[N][4],
                      const Stage& stage) {
@@ -315,7 +290,6 @@ __device__ void gemv(const Stream& w, int nsc, const u16* xs, int Kc, int cnt, f
     math<N>(w, cb, sb, sc + 1, xrow, acc);
   }
 }
-#endif
 
 struct NoStage {
   __device__ __forceinline__ void operator()() const {}

@@ -133,11 +133,6 @@ __device__ __forceinline__ void decode8(u32 w, u32* p) {
   p[3] = prmt(ob, 0u, 0x3424u);
 }
 
-__device__ __forceinline__ u32 ld_stream1(const u8* p) {  // 4 bytes read once: no L1 allocation
-  u32 r;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
-  return r;
-}
 __device__ __forceinline__ uint2 ld_stream2(const u8* p) {  // 8 bytes read once: no L1 allocation
   uint2 r;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
