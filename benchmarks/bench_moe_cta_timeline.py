@@ -34,13 +34,10 @@ ROWS = 128  # weight rows a CTA covers (moe_cuda.WARPS = 4)
 
 
 def cta_rows(tl: torch.Tensor, kernel: str) -> list[dict]:
-    """The stamps of one kernel's CTAs (PERSIST: items) as dicts (ns; absent where the CTA found no work; rows never
-    stamped, PERSIST's unclaimed items, left out)."""
+    """The stamps of one kernel's CTAs as dicts (ns; absent where the CTA found no work)."""
     out = []
     for r in tl.cpu().tolist():
         t0, t1, t2, t3, sm, expert, ks, kc = r
-        if not t0:
-            continue
         expert = expert - (1 << 64) if expert >= 1 << 63 else expert
         shared = expert == -1
         nbytes = ROWS * kc * ((1 + 1 / 32) if shared else 0.5625) if t1 else 0.0

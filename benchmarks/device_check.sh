@@ -14,7 +14,6 @@
 #   bash benchmarks/device_check.sh queue        # QUEUE (FC1 + FC2 in one launch): GPU tests, A/B at T = 1, timeline
 #   bash benchmarks/device_check.sh acquire      # ACQUIRE_LAST and QUEUE: their GPU tests, A/B of the four at T = 1
 #   bash benchmarks/device_check.sh loads        # pending GPU tests, L2_HINT A/B, Nsight Compute at -O3 / -O1 (~8 min)
-#   bash benchmarks/device_check.sh persist      # PERSIST: its GPU tests, A/B at T = 2..64, timeline (~4 min)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -174,20 +173,6 @@ loads() {  # why the weight loads issued earlier were slower (session 38), and L
   done
 }
 
-persist() {  # PERSIST (moe_fc1 / moe_fc2 one wave of CTAs running the items in turn): its GPU tests and the default
-  # decode's (bitwise the default, counters left at zero), then a same-run A/B at T = 2..64 (PERSIST_REPS
-  # alternations), then the CTA timeline with it at T = 4, 16 (the timeline's rows are items then, not CTAs)
-  local k=tests/backends/kernels
-  timeout 200 python -m pytest -m gpu -q -p no:cacheprovider $k/test_moe_cuda_persist.py $k/test_moe_cuda_l2_hint.py \
-    > "$OUT/t_persist.log" 2>&1
-  local rc=$?; mark persist_tests; tail -3 "$OUT/t_persist.log"
-  [ "$rc" -ne 0 ] && { echo "persist: GPU tests rc=$rc, no timing"; return; }
-  ab persist_ab "${PERSIST_REPS:-2}" "${PERSIST_TOKENS:-2,4,8,16,32,64}" 150 "plain=" "persist=--knob PERSIST=1"
-  timeout 100 python benchmarks/bench_moe_cta_timeline.py --tokens 4,16 --knob PERSIST=1 --tag _persist \
-    > "$OUT/cta_timeline_persist.txt" 2>&1
-  mark timeline_persist; grep -E '^T =' "$OUT/cta_timeline_persist.txt"
-}
-
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -200,9 +185,9 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire|loads|persist) "$step" ;;
+    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire|loads) "$step" ;;
     *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline, queue," \
-         "acquire, loads or persist" >&2
+         "acquire or loads" >&2
        exit 2 ;;
   esac
 done

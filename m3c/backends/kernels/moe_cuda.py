@@ -186,17 +186,6 @@ counter for all items 72.5 µs against 58.8 (some SMs drew four 221 KB items, ot
 streams at most ~1/132 of HBM); with the pools 70.5 against 58.9: the shared FC2 items stream beside the routed
 FC1 ones, which end later, and routed FC2 (its expert's whole FC1 first) is left with 384 streams, ~2.9 an SM at
 ~7.4 GB/s each (2.9 TB/s, where ``moe_fc2``'s 480 make 3.9; benchmarks/RESULTS.md session 34). Off."""
-PERSIST = False
-"""Where the call does not fold (:func:`decode_folds`: T >= 2 at m3.1-small), launch ``moe_fc1`` / ``moe_fc2`` as
-many CTAs as are resident at once (:func:`one_wave`), each running the grid's items in turn (define ``PERSIST``,
-``persist_items``): its blockIdx.x first, then items from a ticket counter, claimed one item ahead. A CTA builds the
-routing flags once, not once an item, and the unused expert slots' items (the grid's last) are never claimed. Why:
-the CTA timeline at T = 16 (session 37) had ~450 of 528 CTA slots streaming on average, the aggregate rate following
-the streaming count (~7.5 GB/s a CTA): each CTA spent ~3-4 us before streaming (find_block ~1.6 of it), and 912 of
-FC1's 3,264 CTAs were unused slots living ~2.7 us each. Prediction: T = 16 -6 to -8% (FC1 ~158 -> ~145 us, FC2 ~83
--> ~77), T = 4 -5 to -8%; bitwise the same output (the same items, each written by one CTA). Off until timed
-(``device_check.sh persist``)."""
-_PERSIST_INTS = 64  # PERSIST's counters a kernel: the claims at 0, the exits at 32 (their own 128-byte lines)
 _STATIC_SMEM_QUEUE = 4096  # moe_experts' static shared memory (FC1's and FC2's both), rounded up (offline: 1.6 KB)
 
 TIMELINE = False
@@ -426,8 +415,7 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT, L2_HINT,
-                      PERSIST and not (fold and (FOLD_ACT or FOLD_COMBINE)))
+                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT, L2_HINT)
 
 
 @functools.cache
@@ -436,7 +424,7 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
                acquire_last: bool = False, timeline_at: int = 0, ptxas_opt: int = 3,
-               l2_hint: int = 0, persist: bool = False) -> tuple[CudaKernelSpec, ...]:
+               l2_hint: int = 0) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
@@ -444,8 +432,8 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
          *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
          *((("TL_AT", timeline_at),) if timeline_at else ()),
-         *((("L2_HINT", l2_hint),) if l2_hint else ()), *((("PERSIST", 1),) if persist else ()))
-    tl = (" *tl" if timeline else "") + (" *ctr" if persist else "")  # (moe_fc1's and moe_fc2's last arguments)
+         *((("L2_HINT", l2_hint),) if l2_hint else ()))
+    tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:
         return CudaKernelSpec("megamoe_mma", SOURCE, kernel, arg_types(args), d, nwarps, smem, kernel in pdl,
@@ -679,17 +667,14 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     specs = {sp.kernel: sp for sp in mma_specs(hidden, inter, s, act, nt, wide, folds)}
     fold, fold_combine = "moe_act" not in specs, "moe_combine" not in specs
     queue = "moe_experts" in specs
-    persist = "PERSIST" in dict(specs["moe_experts" if queue else "moe_fc1"].defines)
     packed = (shared_w13, shared_w2) if NATURAL else (w13, w2, shared_w13, shared_w2)
     chm = max(inter, s) // _rows_per_cta()  # FOLD_ACT's act chunks an expert (counters a row of them)
     counters_key = ("moe_fc1 act counters", str(x.device), e, chm)
     done_key = ("moe_fc2 combine counters", str(x.device), hidden // _rows_per_cta())
     queue_key = ("moe_experts queue", str(x.device), e)
-    persist_key = ("moe_fc1 / moe_fc2 tickets", str(x.device))
     if x.is_cuda and torch.cuda.is_current_stream_capturing() and not (
             is_prepacked(*packed) and (not fold or persistent_ready(counters_key))
-            and (not fold_combine or persistent_ready(done_key)) and (not queue or persistent_ready(queue_key))
-            and (not persist or persistent_ready(persist_key))):
+            and (not fold_combine or persistent_ready(done_key)) and (not queue or persistent_ready(queue_key))):
         raise CaptureError("moe_decode_mma: the prepacked weights (and FC1's act counters) are built at the first "
                            "call, which must run outside CUDA-graph capture: call once eagerly (a warm-up) before "
                            "capturing")
@@ -749,20 +734,12 @@ def moe_decode_mma(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             grid1, grid2, *([tl] if timeline else [])])
         return out
     prefetch = "PREFETCH_FC2" in dict(specs["moe_fc1"].defines)
-    ctr1: list[torch.Tensor] = []
-    ctr2: list[torch.Tensor] = []
-    if persist:  # as many CTAs as are resident at once; a claim counter and an exit counter each (left at zero)
-        ctr = persistent(persist_key, lambda: torch.zeros(2 * _PERSIST_INTS, dtype=torch.int32, device=dev))
-        ctr1, ctr2 = [ctr[:_PERSIST_INTS]], [ctr[_PERSIST_INTS:]]
-        waves = one_wave(t, hidden, inter, s)
-        grid1, grid2 = min(grid1, waves[0]), min(grid2, waves[1])
-    runner(specs["moe_fc1"], (grid1,), [*fc1_args, *((c2[0], c2[1], sc2, ss2, ks2s) if prefetch else ()), *tl1,
-                                        *ctr1])
+    runner(specs["moe_fc1"], (grid1,), [*fc1_args, *((c2[0], c2[1], sc2, ss2, ks2s) if prefetch else ()), *tl1])
     if not fold:
         runner(specs["moe_act"], (pairs,), [h, routed_pairs, ks1, ks1s, pairs, rows_ws, inter, s, act16, amult])
     runner(specs["moe_fc2"], (grid2,), [*((act_v,) if fold else (act16, amult)), t, ids, wts, top_k, e, n_slots,
                                         c2[0], c2[1], g2, sc2, ss2, inter, s, hidden, ks2s, pairs, rows_ws, y,
-                                        *((out, done) if fold_combine else ()), *tl2, *ctr2])
+                                        *((out, done) if fold_combine else ()), *tl2])
     if not fold_combine:
         runner(specs["moe_combine"], (triton.cdiv(hidden, 256), t),
                [y, ids, e, t, top_k, ks2s if shared else 0, pairs, hidden, out])

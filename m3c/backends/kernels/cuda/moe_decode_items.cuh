@@ -20,11 +20,8 @@ struct Block {   // what one CTA works on
 // experts touched than slots). A routed item also leaves the ids in `sid` (SID_CAP shorts; -1 where outside
 // [0, E)) when T * topk <= SID_CAP, so find_tokens reads them from shared memory: its own reads of ids from global
 // memory were ~2 us of an FC1 CTA's ~4 us before its staging at T = 16 (the CTA timeline, RESULTS.md session 37).
-// `touched` (PERSIST's item loop, in shared memory; null otherwise): the CTA's count of touched experts, -1 until a
-// routed item of the CTA has built flags and sid (then they are read as they are: the ids do not change within a
-// launch).
 __device__ bool find_block(Block& b, int item, const long long* ids, int T, int topk, int E, int n_slots, int rows,
-                           int srows, int KSr, int KSs, u32* flags, short* sid, int* touched = nullptr) {
+                           int srows, int KSr, int KSs, u32* flags, short* sid) {
   const int per = rows / (32 * WARPS), n_ids = T * topk;
   if (item >= n_slots * per * KSr) {
     item -= n_slots * per * KSr;
@@ -37,39 +34,34 @@ __device__ bool find_block(Block& b, int item, const long long* ids, int T, int 
     b.row0 = (item / KSs) * 32 * WARPS;
     return b.row0 < srows;
   }
+  const long long first = (int)threadIdx.x < n_ids ? ids[threadIdx.x] : -1;  // (issued before the barrier)
   b.grp = -1;
   b.KS = KSr;
   b.ks = item % KSr;
   item /= KSr;
   const int slot = item / per;
   b.row0 = (item % per) * 32 * WARPS;
-  const bool build = !touched || *touched < 0;  // (read by every thread before the barriers below)
-  if (build) {
-    const long long first = (int)threadIdx.x < n_ids ? ids[threadIdx.x] : -1;  // (issued before the barrier)
-    for (int i = threadIdx.x; i < (E + 31) / 32; i += blockDim.x) flags[i] = 0u;
-    __syncthreads();
-    for (int i = threadIdx.x; i < n_ids; i += blockDim.x) {
-      const long long e = i == (int)threadIdx.x ? first : ids[i];
-      const bool ok = e >= 0 && e < E;
-      if (ok) atomicOr(&flags[e >> 5], 1u << (e & 31));
-      if (n_ids <= SID_CAP) sid[i] = ok ? (short)e : (short)-1;
-    }
-    __syncthreads();
+  for (int i = threadIdx.x; i < (E + 31) / 32; i += blockDim.x) flags[i] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_ids; i += blockDim.x) {
+    const long long e = i == (int)threadIdx.x ? first : ids[i];
+    const bool ok = e >= 0 && e < E;
+    if (ok) atomicOr(&flags[e >> 5], 1u << (e & 31));
+    if (n_ids <= SID_CAP) sid[i] = ok ? (short)e : (short)-1;
   }
-  int left = slot, all = 0;
+  __syncthreads();
+  int left = slot;
   b.expert = -2;
   for (int w = 0; w < (E + 31) / 32; ++w) {
     u32 f = flags[w];
     int c = __popc(f);
-    all += c;
-    if (left >= 0 && left < c) {
+    if (left < c) {
       for (int k = 0; k < left; ++k) f &= f - 1u;
       b.expert = w * 32 + __ffs(f) - 1;
-      if (!build || !touched) break;  // (the count of all touched experts: PERSIST's, once)
+      break;
     }
     left -= c;
   }
-  if (touched && build) *touched = all;  // (after the barriers: every thread has read it)
   return b.expert >= 0;
 }
 

@@ -66,23 +66,12 @@
 #ifndef QUEUE
 #define QUEUE 0  // 1: moe_experts, FC1's and FC2's items in one persistent launch (moe_decode_queue.cuh)
 #endif
-#ifndef PERSIST
-#define PERSIST 0  // 1: moe_fc1 / moe_fc2 as many CTAs as are resident, each running items in turn (persist_items)
-#endif
-#if PERSIST  // (an item a call: inlined into persist_items' loop, ptxas kept its per-launch values in registers across
-             // the items and spilled in the GEMV loops)
-#define ITEM_INLINE __forceinline__
-#else
-#define ITEM_INLINE __forceinline__
-#endif
 #define ROWT 2     // 16-row tiles per warp (they share the activation fragments)
 // FC1 / FC2 launch bounds: at NT 1 both ask for 16 warps an SM (4 CTAs at WARPS 4; 128 registers: left to itself,
 // ptxas gives FC2 129 and NATURAL's decode 130, i.e. 3 CTAs an SM); at NT 2 FC2 takes 168 (4 CTAs an SM forced: 31
 // spilled words, and T = 16 measured the same, benchmarks/RESULTS.md session 21)
 #if NT == 1
 #define FC_BOUNDS __launch_bounds__(WARPS * 32, 16 / WARPS)
-#elif PERSIST  // (its item loop left to itself took 215-231 registers, 2 CTAs an SM; one_wave counts 3)
-#define FC_BOUNDS __launch_bounds__(WARPS * 32, 12 / WARPS)
 #else
 #define FC_BOUNDS __launch_bounds__(WARPS * 32)
 #endif
@@ -101,8 +90,6 @@ static_assert(16 % WARPS == 0 && WARPS <= 4, "the launch bounds count 16 warps a
 static_assert(PREFETCH_FC2 == 0 || GROUPS == 1, "PREFETCH_FC2: the builds of one column group only");
 static_assert(QUEUE == 0 || (GROUPS == 1 && FOLD_ACT && FOLD_COMBINE && !PREFETCH_FC2),
               "QUEUE: the folded builds of one column group");
-static_assert(PERSIST == 0 || (!FOLD_ACT && !FOLD_COMBINE && !QUEUE && !PREFETCH_FC2),
-              "PERSIST: the builds that do not fold (their act and combine launches wait for all of FC1 / FC2)");
 // The shared expert's column groups for T tokens (a CTA each; moe_cuda's grids count them the same way).
 #define SHARED_GROUPS(T) (GROUPS == 1 ? 1 : ((T) + MAXT - 1) / MAXT)
 
@@ -558,43 +545,6 @@ __device__ void prefetch_fc2(const Block* pb, int I, int S, int H, int KS2s, con
 }
 #endif
 
-#if PERSIST
-// PERSIST (the builds that do not fold): as many CTAs as are resident at once run a kernel's n items, in grid order
-// (the shared expert's first, then each expert slot's `per_slot`): a CTA's first item is its blockIdx.x (the block
-// scheduler's spread of the first wave over the SMs), the next ones come from the ticket counter ctr[0], numbered
-// from gridDim.x and claimed at the start of the item before (its atomic's latency under the GEMV), until a ticket
-// passes the items that exist: all n until the CTA has built the routing flags, then the shared ones and the touched
-// experts' (the unused slots' items, last, are never claimed: without PERSIST each is a CTA that finds only that).
-// The CTA's find_block builds the flags once (`touched`). The last CTA out (ctr[32]) zeroes both counters for the
-// next launch or graph replay: its fence orders every CTA's claims (released by theirs) before its stores.
-template <class Item>
-__device__ __forceinline__ void persist_items(int* ctr, int n, int shared_items, int per_slot, Item item) {
-  // (the loop's state in shared memory, not in registers across the item: there ptxas spilled the staging's)
-  __shared__ int idx, touched;
-  if (threadIdx.x == 0) {
-    idx = blockIdx.x;
-    touched = -1;
-  }
-  __syncthreads();
-  for (;;) {
-    item(*(volatile int*)&idx, &touched);
-    __syncthreads();  // (the item done by every thread)
-    if (threadIdx.x == 0) idx = (int)gridDim.x + atomicAdd(ctr, 1);
-    __syncthreads();
-    const int t = *(volatile int*)&touched, next = *(volatile int*)&idx;
-    if (next >= (t < 0 ? n : min(n, shared_items + t * per_slot))) break;
-  }
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(ctr + 32, 1) == (int)gridDim.x - 1) {
-      __threadfence();
-      *(volatile int*)ctr = 0;
-      *(volatile int*)(ctr + 32) = 0;
-    }
-  }
-}
-#endif
-
 // FC1: h[ks, p, r] = partial (over K split ks) of W13[e, r] . x[n] for every routed pair / shared row p. The shared
 // expert's items come first in the grid and run their GEMV before grid_wait() (during the routing launch), staging
 // the tokens from x themselves; the routed items wait first (they read the routing and its staged tokens) and stage
@@ -626,9 +576,9 @@ __device__ __forceinline__ void persist_items(int* ctr, int n, int shared_items,
 #define FC1_PARAMS FC1_OWN_PARAMS TL_PARAM
 #define FC1_ARGS FC1_OWN_ARGS TL_ARG
 
-// FC1's grid item `idx` (moe_fc1: its CTA's blockIdx.x, or PERSIST's claim; moe_experts: a ticket). QUEUE: `ready`,
-// the act-readiness counters (act_tail). PERSIST: `touched`, find_block's.
-__device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullptr, int* touched = nullptr) {
+// FC1's grid item `idx` (moe_fc1: its CTA's blockIdx.x; moe_experts: a ticket). QUEUE: `ready`, the act-readiness
+// counters (act_tail).
+__device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullptr) {
   STAMP_EXIT(idx);
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
@@ -661,7 +611,7 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
 #endif
   STAMP_PRE(1);
   Block b;
-  const bool found = find_block(b, item, ids, T, topk, E, n_slots, rows, srows, KSr, KSs, flags, sid, touched);
+  const bool found = find_block(b, item, ids, T, topk, E, n_slots, rows, srows, KSr, KSs, flags, sid);
   MARK(b.expert, b.ks, H / b.KS);
   STAMP_PRE(2);
   if (!found) return;
@@ -732,29 +682,9 @@ __device__ __forceinline__ void fc1_item(int idx, FC1_PARAMS int* ready = nullpt
 #endif
 }
 
-#if PERSIST
-extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS int* ctr, void* scratch0, void* scratch1) {
-  const int per = rows / (32 * WARPS), shared_items = srows / (32 * WARPS) * KSs * SHARED_GROUPS(T);
-  // the int arguments through shared memory, read back (volatile) at each item: ptxas otherwise computed what the
-  // items derive from them once, kept it in registers across the item loop and spilled in the GEMV loops
-  __shared__ int v[11];
-  if (threadIdx.x == 0) {
-    v[0] = T, v[1] = topk, v[2] = E, v[3] = n_slots, v[4] = rows, v[5] = srows, v[6] = H, v[7] = KSr, v[8] = KSs;
-    v[9] = P, v[10] = ROWS;
-  }
-  __syncthreads();
-  persist_items(ctr, shared_items + n_slots * per * KSr, shared_items, per * KSr, [&](int idx, int* touched) {
-    const volatile int* w = v;
-    const int T = w[0], topk = w[1], E = w[2], n_slots = w[3], rows = w[4], srows = w[5], H = w[6], KSr = w[7],
-              KSs = w[8], P = w[9], ROWS = w[10];
-    fc1_item(idx, FC1_ARGS, nullptr, touched);
-  });
-}
-#else
 extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS void* scratch0, void* scratch1) {
   fc1_item(blockIdx.x, FC1_ARGS);
 }
-#endif
 
 // FC2: y[ks, p, r] = weight(p) * W2[e, r] . act16(p) (partial over K split ks: routed KSr = 1, shared KSs; FOLD_ACT:
 // act staged by stage_act). Before
@@ -786,11 +716,9 @@ extern "C" __global__ void FC1_BOUNDS moe_fc1(FC1_PARAMS void* scratch0, void* s
   FC2_ACT_ARGS, T, ids, wts, topk, E, n_slots, rcode, rscale, rrow, scode, sscale, I, S, H, KSs, P, ROWS, y \
       FC2_FOLD_ARGS TL_ARG
 
-// FC2's grid item `idx` (moe_fc2: its CTA's blockIdx.x, or PERSIST's claim; moe_experts: a ticket less FC1's items).
-// QUEUE: `ready` / `consumed`, the act-readiness counters it waits on (wait_ready) instead of grid_wait(). PERSIST:
-// `touched`, find_block's.
-__device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullptr, int* consumed = nullptr,
-                                         int* touched = nullptr) {
+// FC2's grid item `idx` (moe_fc2: its CTA's blockIdx.x; moe_experts: a ticket less FC1's items). QUEUE: `ready` /
+// `consumed`, the act-readiness counters it waits on (wait_ready) instead of grid_wait().
+__device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullptr, int* consumed = nullptr) {
   STAMP_EXIT(idx);
   extern __shared__ __align__(16) u8 smem[];
   __shared__ u32 flags[32], masks[WARPS];
@@ -819,7 +747,7 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
 #endif
   STAMP_PRE(1);
   Block b;
-  const bool found = find_block(b, idx, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags, sid, touched);
+  const bool found = find_block(b, idx, ids, T, topk, E, n_slots, H, S > 0 ? H : 0, 1, KSs, flags, sid);
   MARK(b.expert, b.ks, (b.expert >= 0 ? I : S) / b.KS);
   STAMP_PRE(2);
 #if FOLD_COMBINE
@@ -876,27 +804,9 @@ __device__ __forceinline__ void fc2_item(int idx, FC2_PARAMS int* ready = nullpt
 #endif
 }
 
-#if PERSIST  // (its items in FC1's order: the shared expert's first, so the unused slots' are last)
-extern "C" __global__ void FC_BOUNDS moe_fc2(FC2_PARAMS int* ctr, void* scratch0, void* scratch1) {
-  const int per = H / (32 * WARPS), shared_items = S > 0 ? per * KSs * SHARED_GROUPS(T) : 0;
-  __shared__ int v[10];  // (as moe_fc1's)
-  if (threadIdx.x == 0) {
-    v[0] = T, v[1] = topk, v[2] = E, v[3] = n_slots, v[4] = I, v[5] = S, v[6] = H, v[7] = KSs, v[8] = P, v[9] = ROWS;
-  }
-  __syncthreads();
-  persist_items(ctr, shared_items + n_slots * per, shared_items, per, [&](int idx, int* touched) {
-    const int item = shared_first(idx, shared_items, n_slots * per);
-    const volatile int* w = v;
-    const int T = w[0], topk = w[1], E = w[2], n_slots = w[3], I = w[4], S = w[5], H = w[6], KSs = w[7], P = w[8],
-              ROWS = w[9];
-    fc2_item(item, FC2_ARGS, nullptr, nullptr, touched);
-  });
-}
-#else
 extern "C" __global__ void FC_BOUNDS moe_fc2(FC2_PARAMS void* scratch0, void* scratch1) {
   fc2_item(blockIdx.x, FC2_ARGS);
 }
-#endif
 
 // out[n, :] = combine_at over every column, a CTA row per token (the launch FOLD_COMBINE folds into FC2).
 extern "C" __global__ void __launch_bounds__(256)
