@@ -13,7 +13,6 @@
 #   bash benchmarks/device_check.sh timeline     # the decode CTA by CTA (moe_cuda.TIMELINE) at T = 1, 4, 16 (~90 s)
 #   bash benchmarks/device_check.sh queue        # QUEUE (FC1 + FC2 in one launch): GPU tests, A/B at T = 1, timeline
 #   bash benchmarks/device_check.sh acquire      # ACQUIRE_LAST and QUEUE: their GPU tests, A/B of the four at T = 1
-#   bash benchmarks/device_check.sh loads        # pending GPU tests, L2_HINT A/B, Nsight Compute at -O3 / -O1 (~8 min)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -150,29 +149,6 @@ acquire() {  # ACQUIRE_LAST (the folds' arrivals release; the last CTA alone acq
   mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
 }
 
-loads() {  # why the weight loads issued earlier were slower (session 38), and L2's prefetch-size hint: the GPU tests
-  # left from session 37 (the routing kernel's and QUEUE's files) with L2_HINT's, in two processes; then a same-run A/B
-  # of L2_HINT 0 / 128 / 256 at T = 1..16 (LOAD_REPS alternations); then Nsight Compute on FC1 and FC2 at T = 16 at
-  # ptxas -O3 and -O1 (issue slots, stall reasons, DRAM throughput)
-  local p="python -m pytest -m gpu -q -p no:cacheprovider" k=tests/backends/kernels f lvl
-  (timeout 280 $p $k/test_moe_cuda_route.py > "$OUT/t_route.log" 2>&1; echo "rc=$?" >> "$OUT/t_route.log") &
-  (timeout 280 $p $k/test_moe_cuda_queue.py $k/test_moe_cuda_l2_hint.py > "$OUT/t_queue_hint.log" 2>&1
-   echo "rc=$?" >> "$OUT/t_queue_hint.log") &
-  wait; mark load_tests
-  for f in t_route t_queue_hint; do echo "$f: $(grep -E 'passed|failed|rc=' "$OUT/$f.log" | tail -2 | tr '\n' ' ')"; done
-  ab l2hint_ab "${LOAD_REPS:-2}" "${LOAD_TOKENS:-1,2,4,8,16}" 150 "none=" "l2_128=--knob L2_HINT=128" \
-    "l2_256=--knob L2_HINT=256"
-  for lvl in 3 1; do
-    timeout 150 /usr/local/cuda/bin/ncu --clock-control none -k regex:moe_fc --launch-skip 4 --launch-count 2 \
-      --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \
-      --section MemoryWorkloadAnalysis python benchmarks/profile_targets.py moe16 --knob "PTXAS_OPT=$lvl" \
-      > "$OUT/ncu_o$lvl.txt" 2>&1
-    mark "ncu_o$lvl"
-    grep -E "^  moe_fc|Duration|DRAM Throughput|Issue Slots Busy|No Eligible|Eligible Warps|Warp Cycles Per Issued" \
-      "$OUT/ncu_o$lvl.txt" | head -24
-  done
-}
-
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -185,9 +161,9 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire|loads) "$step" ;;
+    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire) "$step" ;;
     *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline, queue," \
-         "acquire or loads" >&2
+         "or acquire" >&2
        exit 2 ;;
   esac
 done

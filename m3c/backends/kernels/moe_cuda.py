@@ -196,11 +196,6 @@ last_timeline: list[torch.Tensor] = []
 TIMELINE_AT = 0
 """Where :data:`TIMELINE` stamps its second word (define ``TL_AT``): 0 before the staging, 1 after FC1's routed
 items' wait (FC2: at entry), 2 after finding the item's expert; so the time before the staging splits into parts."""
-L2_HINT = 0
-"""The weight codes' loads with L2's prefetch-size qualifier (define ``L2_HINT``): 128 or 256 (``.L2::128B`` /
-``.L2::256B``, L2 fetching that many bytes around a miss), 0 without it. A warp's load already covers 512
-contiguous bytes; the hint may still let DRAM serve each super-chunk's 2 KB in fewer, larger requests. Session 38:
-off until timed (``device_check.sh why``)."""
 
 PDL_KERNELS = ("moe_fc1", "moe_act", "moe_fc2", "moe_combine")
 PDL: dict[int | str, tuple[str, ...]] = {1: ("moe_fc1", "moe_fc2"), 2: PDL_KERNELS, "fold": ()}
@@ -407,15 +402,13 @@ def mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int = 1,
     why = _cta_too_small(tmax)
     if why:
         raise ConfigError(f"moe_cuda: {why}")
-    if L2_HINT not in (0, 128, 256):
-        raise ConfigError(f"moe_cuda: L2_HINT = {L2_HINT}: the prefetch-size qualifier is 128 or 256 bytes (0: none)")
     min_ctas = FC1_MIN_CTAS.get("wide" if wide else nt, 0) * 4 // WARPS  # counted in CTAs of 4 warps
     pdl = PDL.get("fold", PDL.get(nt, ())) if fold else PDL.get(nt, ())
     return _mma_specs(hidden, inter, shared_inter, act, nt, WARPS, DECODE, NATURAL, tuple(pdl),
                       min_ctas, tmax, (nt, wide) in EARLY_LOAD, fold and FOLD_ACT, fold and FOLD_COMBINE,
                       PREFETCH_FC2 if fold and not wide else 0, TIMELINE,
                       QUEUE and fold and not wide and FOLD_ACT and FOLD_COMBINE and not PREFETCH_FC2,
-                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT, L2_HINT)
+                      ACQUIRE_LAST and fold, TIMELINE_AT if TIMELINE else 0, PTXAS_OPT)
 
 
 @functools.cache
@@ -423,16 +416,14 @@ def _mma_specs(hidden: int, inter: int, shared_inter: int, act: str, nt: int, wa
                natural: bool = False, pdl: tuple[str, ...] = (), fc1_min_ctas: int = 0, tmax: int = 0,
                early: bool = False, fold_act: bool = False, fold_combine: bool = False,
                prefetch: int = 0, timeline: bool = False, queue: bool = False,
-               acquire_last: bool = False, timeline_at: int = 0, ptxas_opt: int = 3,
-               l2_hint: int = 0) -> tuple[CudaKernelSpec, ...]:
+               acquire_last: bool = False, timeline_at: int = 0, ptxas_opt: int = 3) -> tuple[CudaKernelSpec, ...]:
     d = (("WARPS", warps), ("NT", nt), ("ACT_BF16", int(act == "bf16")), ("DECODE", decode),
          *((("NATURAL", 1),) if natural else ()), *((("FC1_MIN_CTAS", fc1_min_ctas),) if fc1_min_ctas else ()),
          *((("TMAX", tmax),) if tmax > 8 * nt else ()), *((("EARLY", 1),) if early else ()),
          *((("FOLD_ACT", 1),) if fold_act else ()), *((("FOLD_COMBINE", 1),) if fold_combine else ()),
          *((("PREFETCH_FC2", prefetch),) if prefetch else ()), *((("TIMELINE", 1),) if timeline else ()),
          *((("QUEUE", 1),) if queue else ()), *((("ACQUIRE_LAST", 1),) if acquire_last else ()),
-         *((("TL_AT", timeline_at),) if timeline_at else ()),
-         *((("L2_HINT", l2_hint),) if l2_hint else ()))
+         *((("TL_AT", timeline_at),) if timeline_at else ()))
     tl = " *tl" if timeline else ""
 
     def spec(kernel: str, args: str, nwarps: int = warps, smem: int = 0) -> CudaKernelSpec:

@@ -1,33 +1,10 @@
 // How a warp streams a 128-row CTA's weights for the MegaMoE decode (moe_decode_mma.cu): the NVFP4 (prepacked or
 // natural layout) and MXFP8 tile streams, their decode into mma.sync m16n8k16 f16 A fragments, the double-buffered
 // GEMV over a K range and the staging hook (EARLY). Macros from the including file: ROWT (16-row tiles a warp),
-// DECODE, EARLY, L2_HINT. No system headers.
+// DECODE, EARLY. No system headers.
 #pragma once
 
 #include "ptx_common.cuh"
-
-#ifndef L2_HINT
-#define L2_HINT 0
-#endif
-
-// A lane's 16 bytes of weight codes (read once: no L1 allocation). L2_HINT 128 / 256 adds the prefetch-size
-// qualifier (.L2::128B / .L2::256B: L2 fetches that many bytes around a miss from DRAM); 0 leaves it out.
-__device__ __forceinline__ uint4 ld_weights4(const u8* p) {
-#if L2_HINT == 0
-  return ld_stream4(p);
-#else
-  uint4 r;
-#if L2_HINT == 256
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-#elif L2_HINT == 128
-  asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0,%1,%2,%3}, [%4];"
-#else
-#error "L2_HINT: 0, 128 or 256"
-#endif
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-#endif
-}
 
 // Eight E2M1 codes (two rows x four K, see moe_cuda.prepack_nvfp4) -> the four f16x2 A registers, times the
 // rows' scale pairs.
@@ -86,7 +63,7 @@ __device__ __forceinline__ void load_nvfp4(uint4 (&cb)[ROWT][4], uint2 (&sb)[ROW
 #pragma unroll
   for (int t = 0; t < ROWT; ++t) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) cb[t][c] = ld_weights4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
+    for (int c = 0; c < 4; ++c) cb[t][c] = ld_stream4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
     sb[t] = ld_stream2(scale + t * tile_sbytes + (long)sc * 256);
   }
 }
@@ -200,7 +177,7 @@ __device__ __forceinline__ void load_mxfp8(uint4 (&cw)[ROWT][4], uint2 (&sw)[ROW
 #pragma unroll
   for (int t = 0; t < ROWT; ++t) {
 #pragma unroll
-    for (int c = 0; c < 4; ++c) cw[t][c] = ld_weights4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
+    for (int c = 0; c < 4; ++c) cw[t][c] = ld_stream4(code + t * tile_bytes + (long)sc * 2048 + c * 512);
     sw[t].x = *(const u32*)(scale + t * tile_sbytes + sc * 4);              // row g: 4 groups of 32
     sw[t].y = *(const u32*)(scale + t * tile_sbytes + 8L * srow + sc * 4);  // row g + 8
   }
