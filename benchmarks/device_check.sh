@@ -13,6 +13,7 @@
 #   bash benchmarks/device_check.sh timeline     # the decode CTA by CTA (moe_cuda.TIMELINE) at T = 1, 4, 16 (~90 s)
 #   bash benchmarks/device_check.sh queue        # QUEUE (FC1 + FC2 in one launch): GPU tests, A/B at T = 1, timeline
 #   bash benchmarks/device_check.sh acquire      # ACQUIRE_LAST and QUEUE: their GPU tests, A/B of the four at T = 1
+#   bash benchmarks/device_check.sh ring         # the bulk-copy ring probe against the register buffers (~2 min)
 #
 # Each step has its own timeout, so one slow step cannot eat the call; what finished is in $OUT.
 set -u
@@ -149,6 +150,12 @@ acquire() {  # ACQUIRE_LAST (the folds' arrivals release; the last CTA alone acq
   mark queue_timeline; grep -E '^T =' "$OUT/cta_timeline_queue.txt"
 }
 
+ring() {  # the bulk-copy ring probe (benchmarks/probes/decode_ring.cu): register double buffer vs a producer warp's
+  # bulk copies into a shared-memory ring, the decode's own math (and DECODE 2: loads alone), bitwise checked
+  timeout 300 python benchmarks/bench_decode_ring.py ${RING_ARGS:-} > "$OUT/decode_ring.txt" 2>&1
+  mark ring; cat "$OUT/decode_ring.txt"
+}
+
 sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merge) and the CUDA indexer's CTAs per SM
   local b="python benchmarks/bench_msa_indexer_variants.py --no-prefill --contexts 524288 1048576 --batches 8 --deq cuda"
   for cfg in "1024 8 0 6 0" "1024 8 0 6 256" "512 16 0 6 256" "256 32 1 6 0" "128 64 1 6 0" "1024 8 0 9 0"; do
@@ -161,9 +168,9 @@ sweep() {  # the MSA top-k's launch shape (slice width, slices, warps, rank merg
 
 for step in "$@"; do
   case "$step" in
-    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire) "$step" ;;
+    tests|bench|sweep|attn|decode|folds|prefetch|timeline|queue|acquire|ring) "$step" ;;
     *) echo "unknown step '$step': expected tests, bench, sweep, attn, decode, folds, prefetch, timeline, queue," \
-         "or acquire" >&2
+         "acquire or ring" >&2
        exit 2 ;;
   esac
 done

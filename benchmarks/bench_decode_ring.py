@@ -1,0 +1,91 @@
+"""Probe: does the MegaMoE decode's weight stream speed up when the weights land in shared memory by bulk copies from
+a producer warp (a STAGES-deep ring) instead of each warp's two register buffers? (``probes/decode_ring.cu``; not
+part of the compiler.)
+
+Both kernels run the decode's own math (``moe_weight_stream.cuh``) over the same prepacked NVFP4 rows, one token,
+a 128-row block and one K split a CTA, so their outputs must be bitwise equal (checked); ``--decode 2`` swaps the
+math for an XOR of the loaded words (the loads alone). Random codes and E4M3 scales in [2^-6, 2): the numbers do not
+matter, only the bytes moved. Each read starts with an L2 flush (``--flush-mb``, its own time subtracted).
+
+Prediction written before the first run (RESULTS.md session 38): the register kernel at ~26-28 GB/s an SM (the
+decode's measured rate); the ring at 3 stages, 3 CTAs an SM, ~30 GB/s if its consumers' IPC stays ~0.6, 32+ (the
+HBM share) if shared-memory operands lift it to >= 0.8.
+
+Usage (H200): PYTHONPATH=. python benchmarks/bench_decode_ring.py [--experts 16] [--splits 2] [--stages 2 3 4]
+    [--decode 0 2] [--flush-mb 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from _timing import bench_graph, write_results
+
+from m3c.backends.cuda_aot import CudaKernelSpec, arg_types, cuda_jit_run
+
+READ_BW = 4.28e12  # bytes/s (DESIGN.md)
+SOURCE = str(Path(__file__).parent / "probes" / "decode_ring.cu")
+ARGS = arg_types("*codes *scales *x16 *h rows K KS")
+STAGE_BYTES = 8 * (2048 + 256)
+
+
+def spec(kernel: str, decode: int, stages: int, kc: int) -> CudaKernelSpec:
+    """The probe kernel's build: 4 warps (regs) or 4 + a producer (bulk); dynamic shared memory = the ring (bulk)
+    and the token row."""
+    token = -(-(kc + 4) * 2 // 16) * 16
+    ring = stages * STAGE_BYTES if kernel == "probe_bulk" else 0
+    defines = (("DECODE", decode), *((("STAGES", stages),) if kernel == "probe_bulk" else ()))
+    return CudaKernelSpec("probe_decode_ring", SOURCE, kernel, ARGS, defines, 5 if kernel == "probe_bulk" else 4,
+                          ring + token)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--experts", type=int, default=16, help="experts' FC1 rows streamed (3,072 rows each)")
+    ap.add_argument("--k", type=int, default=6144)
+    ap.add_argument("--splits", type=int, default=2, help="K splits (a CTA each)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--decode", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--flush-mb", type=int, default=256)
+    args = ap.parse_args()
+    rows, k, ks = args.experts * 3072, args.k, args.splits
+    kc = k // ks
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    codes = torch.randint(0, 256, (rows * k // 2,), dtype=torch.uint8, device="cuda", generator=gen)
+    scales = torch.randint(0x08, 0x40, (rows * k // 16,), dtype=torch.uint8, device="cuda", generator=gen)
+    x16 = torch.randn(k, device="cuda", generator=gen).half()
+    nbytes = codes.numel() + scales.numel()
+    flush = torch.empty(args.flush_mb << 18, dtype=torch.int32, device="cuda")
+    flush_ms = bench_graph(flush.zero_)
+    grid = (rows // 128 * ks,)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{rows} rows x K {k}, {ks} splits: {nbytes / 1e6:.1f} MB, floor {nbytes / READ_BW * 1e6:.1f} us; "
+          f"{grid[0]} CTAs; L2 flush {flush_ms * 1e3:.1f} us alone (subtracted)")
+    out_rows = []
+    for decode in args.decode:
+        ref = None
+        for kernel, stages in [("probe_regs", 0), *(("probe_bulk", s) for s in args.stages)]:
+            sp = spec(kernel, decode, stages, kc)
+            h = torch.full((ks, rows), float("nan"), device="cuda")
+            run = lambda sp=sp, h=h: cuda_jit_run(sp, grid, [codes, scales, x16, h, rows, k, ks])  # noqa: E731
+            run()
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = h.clone()
+            same = bool(torch.equal(h, ref)) and not bool(h.isnan().any())
+            us = (bench_graph(lambda run=run: (flush.zero_(), run())) - flush_ms) * 1e3
+            gbps = nbytes / us / 1e3
+            row = {"kernel": kernel, "decode": decode, "stages": stages, "us": us, "gb_s": gbps,
+                   "pct_floor": 100 * nbytes / READ_BW / (us * 1e-6), "gb_s_per_sm": gbps / sms,
+                   "bitwise_regs": same, "smem": sp.shared_bytes}
+            out_rows.append(row)
+            print(f"  decode {decode} {kernel:10s} stages {stages}: {us:7.1f} us  {gbps:7.1f} GB/s "
+                  f"({row['pct_floor']:5.1f}% of 4.28 TB/s, {gbps / sms:5.1f} an SM)  bitwise = regs: {same}",
+                  flush=True)
+    write_results("decode_ring", out_rows, rows=rows, k=k, splits=ks, mb=nbytes / 1e6, flush_mb=args.flush_mb)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+// A benchmark probe (benchmarks/bench_decode_ring.py), not part of the compiler: does the MegaMoE decode's weight
+// stream get faster when the weights land in shared memory by bulk copies from a producer warp, several stages
+// ahead, instead of each warp's two register buffers? Both kernels run the decode's own math (moe_weight_stream.cuh:
+// decode_nvfp4 + mma.sync, or DECODE 2's XOR of the loaded words) on the same prepacked NVFP4 rows, a 128-row block
+// and one K split a CTA, one token; so their outputs are bitwise equal and only the loading differs.
+// - probe_regs: 4 warps, each the decode's gemv over its two 16-row tiles (register double buffer).
+// - probe_bulk: 4 consumer warps and a producer warp. The producer's lane 0 fills a STAGES-deep ring, each stage one
+//   256-K super-chunk of the CTA's 8 tiles (codes 2 KB + scales 256 B a tile: 16 bulk copies, full[s] with
+//   expect_tx); each consumer waits full[s], reads its lanes' 16-byte words (LDS), runs the same math and releases
+//   the stage (empty[s], one arrival a consumer warp).
+// Defines: DECODE (0 or 2), STAGES (probe_bulk's ring depth).
+#define ROWT 2
+#ifndef DECODE
+#define DECODE 0
+#endif
+#define EARLY 0
+#ifndef STAGES
+#define STAGES 3
+#endif
+#include "../../m3c/backends/kernels/cuda/ptx_common.cuh"
+#include "../../m3c/backends/kernels/cuda/moe_weight_stream.cuh"
+
+#define TILE_STAGE (2048 + 256)  // a tile's super-chunk in the ring: codes, then scales
+#define STAGE_BYTES (8 * TILE_STAGE)
+
+// The token's K range [ks Kc, (ks + 1) Kc) as row 0 of xs (row stride Kc + 4, as the decode stages its columns).
+__device__ __forceinline__ void stage_token(const u16* x16, int k0, int Kc, u16* xs) {
+  for (int i = threadIdx.x; i < Kc / 8; i += blockDim.x) *(uint4*)(xs + 8 * i) = *(const uint4*)(x16 + k0 + 8 * i);
+}
+
+// Column 0 of the warp's two tiles' results (lanes j = 0 hold it: rows g and g + 8) into h[ks][row].
+__device__ __forceinline__ void store_col0(const float (*acc)[1][4], float* h, int tile0, int ks, int rows) {
+  const int lane = threadIdx.x & 31, g = lane >> 2;
+  if ((lane & 3) == 0)
+#pragma unroll
+    for (int t = 0; t < ROWT; ++t) {
+      h[(long)ks * rows + (tile0 + t) * 16 + g] = acc[t][0][0];
+      h[(long)ks * rows + (tile0 + t) * 16 + g + 8] = acc[t][0][2];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128, 4)
+probe_regs(const u8* codes, const u8* scales, const u16* x16, float* h, int rows, int K, int KS, void* scratch0,
+           void* scratch1) {
+  extern __shared__ __align__(16) u8 smem[];
+  u16* xs = (u16*)smem;
+  const int Kc = K / KS, ks = blockIdx.x % KS, block = blockIdx.x / KS, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, tile0 = block * 8 + warp * ROWT;
+  stage_token(x16, ks * Kc, Kc, xs);
+  __syncthreads();
+  const long tb = (long)K * 8, tsb = K;
+  const Nvfp4Stream w{codes + tile0 * tb + (long)ks * Kc * 8 + lane * 16, scales + tile0 * tsb + (long)ks * Kc + lane * 8,
+                      tb, tsb};
+  float acc[ROWT][1][4] = {};
+  gemv<1>(w, Kc / 256, xs, Kc, 1, acc, NoStage{});
+  store_col0(acc, h, tile0, ks, rows);
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(u32 a, u32 n) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 a) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 tx) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(tx) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
+  u32 done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Dynamic shared memory: the ring (STAGES x STAGE_BYTES), then the token row (Kc + 4 f16).
+extern "C" __global__ void __launch_bounds__(160)
+probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows, int K, int KS, void* scratch0,
+           void* scratch1) {
+  extern __shared__ __align__(16) u8 smem[];
+  __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+  const int Kc = K / KS, ks = blockIdx.x % KS, block = blockIdx.x / KS, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, nsc = Kc / 256;
+  u16* xs = (u16*)(smem + STAGES * STAGE_BYTES);
+  const long tb = (long)K * 8, tsb = K;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(smem_addr(&full[s]), 1);
+      mbar_init(smem_addr(&empty[s]), 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (warp == 4) {  // the producer
+    if (lane == 0) {
+      for (int sc = 0; sc < nsc; ++sc) {
+        const int s = sc % STAGES, use = sc / STAGES;
+        if (use) mbar_wait(smem_addr(&empty[s]), (use - 1) & 1);
+        const u32 bar = smem_addr(&full[s]), dst = smem_addr(smem + s * STAGE_BYTES);
+        mbar_arrive_tx(bar, STAGE_BYTES);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          const long tile = block * 8 + t;
+          bulk_g2s(dst + t * TILE_STAGE, codes + tile * tb + (long)ks * Kc * 8 + sc * 2048, 2048, bar);
+          bulk_g2s(dst + t * TILE_STAGE + 2048, scales + tile * tsb + (long)ks * Kc + sc * 256, 256, bar);
+        }
+      }
+    }
+    stage_token(x16, ks * Kc, Kc, xs);  // (its share of the token; the barrier below publishes it)
+    __syncthreads();
+    return;
+  }
+  stage_token(x16, ks * Kc, Kc, xs);
+  __syncthreads();
+  const int tile0 = block * 8 + warp * ROWT;
+  const Nvfp4Stream w{nullptr, nullptr, 0, 0};  // (its math reads the registers passed to it, not its pointers)
+  const u16* xrow[1];
+  token_rows<1>(xrow, xs, Kc, 1, Nvfp4Stream::k_lane * (lane & 3));
+  float acc[ROWT][1][4] = {};
+  for (int sc = 0; sc < nsc; ++sc) {
+    const int s = sc % STAGES;
+    mbar_wait(smem_addr(&full[s]), (sc / STAGES) & 1);
+    const u8* st = smem + s * STAGE_BYTES + warp * ROWT * TILE_STAGE;
+    uint4 cb[ROWT][4];
+    uint2 sb[ROWT];
+#pragma unroll
+    for (int t = 0; t < ROWT; ++t) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) cb[t][c] = *(const uint4*)(st + t * TILE_STAGE + c * 512 + lane * 16);
+      sb[t] = *(const uint2*)(st + t * TILE_STAGE + 2048 + lane * 8);
+    }
+    math<1>(w, cb, sb, sc, xrow, acc);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
+  }
+  store_col0(acc, h, tile0, ks, rows);
+}
