@@ -96,27 +96,32 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  if (warp == 4) {  // the producer
-    if (lane == 0) {
-      for (int sc = 0; sc < nsc; ++sc) {
-        const int s = sc % STAGES, use = sc / STAGES;
-        if (use) mbar_wait(smem_addr(&empty[s]), (use - 1) & 1);
-        const u32 bar = smem_addr(&full[s]), dst = smem_addr(smem + s * STAGE_BYTES);
-        mbar_arrive_tx(bar, STAGE_BYTES);
+  // The producer's lane 0 issues the first STAGES stages (no wait), every thread stages the token, and after the
+  // barrier the producer refills each stage as the consumers release it. (Its loop must not come before that
+  // barrier: with the ring full it waits on consumers that wait in the barrier for it, session 38's first run.)
+  auto issue = [&](int sc) {
+    const int s = sc % STAGES;
+    const u32 bar = smem_addr(&full[s]), dst = smem_addr(smem + s * STAGE_BYTES);
+    mbar_arrive_tx(bar, STAGE_BYTES);
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          const long tile = block * 8 + t;
-          bulk_g2s(dst + t * TILE_STAGE, codes + tile * tb + (long)ks * Kc * 8 + sc * 2048, 2048, bar);
-          bulk_g2s(dst + t * TILE_STAGE + 2048, scales + tile * tsb + (long)ks * Kc + sc * 256, 256, bar);
-        }
-      }
+    for (int t = 0; t < 8; ++t) {
+      const long tile = block * 8 + t;
+      bulk_g2s(dst + t * TILE_STAGE, codes + tile * tb + (long)ks * Kc * 8 + sc * 2048, 2048, bar);
+      bulk_g2s(dst + t * TILE_STAGE + 2048, scales + tile * tsb + (long)ks * Kc + sc * 256, 256, bar);
     }
-    stage_token(x16, ks * Kc, Kc, xs);  // (its share of the token; the barrier below publishes it)
-    __syncthreads();
-    return;
-  }
+  };
+  if (warp == 4 && lane == 0)
+    for (int sc = 0; sc < min(STAGES, nsc); ++sc) issue(sc);
   stage_token(x16, ks * Kc, Kc, xs);
   __syncthreads();
+  if (warp == 4) {
+    if (lane == 0)
+      for (int sc = STAGES; sc < nsc; ++sc) {
+        mbar_wait(smem_addr(&empty[sc % STAGES]), (sc / STAGES - 1) & 1);
+        issue(sc);
+      }
+    return;
+  }
   const int tile0 = block * 8 + warp * ROWT;
   const Nvfp4Stream w{nullptr, nullptr, 0, 0};  // (its math reads the registers passed to it, not its pointers)
   const u16* xrow[1];
