@@ -19,6 +19,7 @@
 #endif
 #include "../../m3c/backends/kernels/cuda/ptx_common.cuh"
 #include "../../m3c/backends/kernels/cuda/moe_weight_stream.cuh"
+#include "../../m3c/backends/kernels/cuda/mbarrier.cuh"
 
 #define TILE_STAGE (2048 + 256)  // a tile's super-chunk in the ring: codes, then scales
 #define STAGE_BYTES (8 * TILE_STAGE)
@@ -57,27 +58,6 @@ probe_regs(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void mbar_init(u32 a, u32 n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 a) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 tx) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(tx) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
-  u32 done;
-  do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 // Dynamic shared memory: the ring (STAGES x STAGE_BYTES), then the token row (Kc + 4 f16).
 extern "C" __global__ void __launch_bounds__(160)
 probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows, int K, int KS, void* scratch0,

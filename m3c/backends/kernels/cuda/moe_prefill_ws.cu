@@ -53,33 +53,8 @@
 
 #include "ptx_common.cuh"
 #include "wgmma_common.cuh"
+#include "mbarrier.cuh"
 
-__device__ __forceinline__ void mbar_init(u32 a, u32 n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 a) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
-}
-// Arrive once this thread's earlier cp.async copies have landed (counted in the barrier's init count).
-__device__ __forceinline__ void mbar_cp_arrive(u32 a) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(a) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
-  u32 done;
-  do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
-  } while (!done);
-}
-// This thread's arrival, announcing `tx` bytes of bulk copies that complete on the barrier.
-__device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 tx) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(tx) : "memory");
-}
-// `bytes` (a multiple of 16, both ends 16-byte aligned) from global to this CTA's shared memory, completing on `bar`.
-__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
 template <int N>
 __device__ __forceinline__ void wg_wait_acc(float (&d)[128]) {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
