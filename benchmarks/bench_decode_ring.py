@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from _timing import bench_graph, write_results
 
+from m3c.backends import cuda_aot
 from m3c.backends.cuda_aot import CudaKernelSpec, arg_types, cuda_jit_run
 
 READ_BW = 4.28e12  # bytes/s (DESIGN.md)
@@ -39,6 +40,16 @@ def spec(kernel: str, decode: int, stages: int, kc: int) -> CudaKernelSpec:
     defines = (("DECODE", decode), *((("STAGES", stages),) if kernel == "probe_bulk" else ()))
     return CudaKernelSpec("probe_decode_ring", SOURCE, kernel, ARGS, defines, 5 if kernel == "probe_bulk" else 4,
                           ring + token)
+
+
+def resident(sp: CudaKernelSpec) -> int:
+    """CTAs of the loaded kernel resident at once on an SM (the driver's occupancy query; -1 if it fails)."""
+    k = cuda_aot._LOADED[sp.key()]
+    try:
+        err, n = k.cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(k.func, k.threads, k.shared)
+        return int(n) if int(err) == 0 else -1
+    except Exception:  # (a cuda-python without the call: the table shows -1)
+        return -1
 
 
 def main() -> None:
@@ -79,10 +90,11 @@ def main() -> None:
             gbps = nbytes / us / 1e3
             row = {"kernel": kernel, "decode": decode, "stages": stages, "us": us, "gb_s": gbps,
                    "pct_floor": 100 * nbytes / READ_BW / (us * 1e-6), "gb_s_per_sm": gbps / sms,
-                   "bitwise_regs": same, "smem": sp.shared_bytes}
+                   "bitwise_regs": same, "smem": sp.shared_bytes, "ctas_per_sm": resident(sp)}
             out_rows.append(row)
             print(f"  decode {decode} {kernel:10s} stages {stages}: {us:7.1f} us  {gbps:7.1f} GB/s "
-                  f"({row['pct_floor']:5.1f}% of 4.28 TB/s, {gbps / sms:5.1f} an SM)  bitwise = regs: {same}",
+                  f"({row['pct_floor']:5.1f}% of 4.28 TB/s, {gbps / sms:5.1f} an SM, {row['ctas_per_sm']} CTAs an SM)  "
+                  f"bitwise = regs: {same}",
                   flush=True)
     write_results("decode_ring", out_rows, rows=rows, k=k, splits=ks, mb=nbytes / 1e6, flush_mb=args.flush_mb)
 
