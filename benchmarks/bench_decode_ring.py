@@ -12,7 +12,7 @@ decode's measured rate); the ring at 3 stages, 3 CTAs an SM, ~30 GB/s if its con
 HBM share) if shared-memory operands lift it to >= 0.8.
 
 Usage (H200): PYTHONPATH=. python benchmarks/bench_decode_ring.py [--experts 16] [--splits 2] [--stages 2 3 4]
-    [--decode 0 2] [--flush-mb 256]
+    [--release 0 1] [--decode 0 2] [--flush-mb 256]
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ ARGS = arg_types("*codes *scales *x16 *h rows K KS")
 STAGE_BYTES = 8 * (2048 + 256)
 
 
-def spec(kernel: str, decode: int, stages: int, kc: int) -> CudaKernelSpec:
-    """The probe kernel's build: 4 warps (regs) or 4 + a producer (bulk); dynamic shared memory = the ring (bulk)
-    and the token row."""
+def spec(kernel: str, decode: int, stages: int, kc: int, early: bool = False) -> CudaKernelSpec:
+    """The probe kernel's build: 4 warps (regs) or 4 + a producer (bulk; `early`: RELEASE_EARLY); dynamic shared
+    memory = the ring (bulk) and the token row."""
     token = -(-(kc + 4) * 2 // 16) * 16
     ring = stages * STAGE_BYTES if kernel == "probe_bulk" else 0
-    defines = (("DECODE", decode), *((("STAGES", stages),) if kernel == "probe_bulk" else ()))
+    defines = (("DECODE", decode), *((("STAGES", stages), ("RELEASE_EARLY", int(early)))
+                                     if kernel == "probe_bulk" else ()))
     return CudaKernelSpec("probe_decode_ring", SOURCE, kernel, ARGS, defines, 5 if kernel == "probe_bulk" else 4,
                           ring + token)
 
@@ -59,6 +60,7 @@ def main() -> None:
     ap.add_argument("--splits", type=int, default=2, help="K splits (a CTA each)")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     ap.add_argument("--decode", type=int, nargs="+", default=[0, 2])
+    ap.add_argument("--release", type=int, nargs="+", default=[0, 1], help="probe_bulk's RELEASE_EARLY settings")
     ap.add_argument("--flush-mb", type=int, default=256)
     args = ap.parse_args()
     rows, k, ks = args.experts * 3072, args.k, args.splits
@@ -77,8 +79,9 @@ def main() -> None:
     out_rows = []
     for decode in args.decode:
         ref = None
-        for kernel, stages in [("probe_regs", 0), *(("probe_bulk", s) for s in args.stages)]:
-            sp = spec(kernel, decode, stages, kc)
+        builds = [("probe_regs", 0, 0), *(("probe_bulk", s, e) for s in args.stages for e in args.release)]
+        for kernel, stages, early in builds:
+            sp = spec(kernel, decode, stages, kc, bool(early))
             h = torch.full((ks, rows), float("nan"), device="cuda")
             run = lambda sp=sp, h=h: cuda_jit_run(sp, grid, [codes, scales, x16, h, rows, k, ks])  # noqa: E731
             run()
@@ -88,11 +91,12 @@ def main() -> None:
             same = bool(torch.equal(h, ref)) and not bool(h.isnan().any())
             us = (bench_graph(lambda run=run: (flush.zero_(), run())) - flush_ms) * 1e3
             gbps = nbytes / us / 1e3
-            row = {"kernel": kernel, "decode": decode, "stages": stages, "us": us, "gb_s": gbps,
+            row = {"kernel": kernel, "decode": decode, "stages": stages, "release_early": early, "us": us,
+                   "gb_s": gbps,
                    "pct_floor": 100 * nbytes / READ_BW / (us * 1e-6), "gb_s_per_sm": gbps / sms,
                    "bitwise_regs": same, "smem": sp.shared_bytes, "ctas_per_sm": resident(sp)}
             out_rows.append(row)
-            print(f"  decode {decode} {kernel:10s} stages {stages}: {us:7.1f} us  {gbps:7.1f} GB/s "
+            print(f"  decode {decode} {kernel:10s} stages {stages} early {early}: {us:7.1f} us  {gbps:7.1f} GB/s "
                   f"({row['pct_floor']:5.1f}% of 4.28 TB/s, {gbps / sms:5.1f} an SM, {row['ctas_per_sm']} CTAs an SM)  "
                   f"bitwise = regs: {same}",
                   flush=True)

@@ -7,8 +7,9 @@
 // - probe_bulk: 4 consumer warps and a producer warp. The producer's lane 0 fills a STAGES-deep ring, each stage one
 //   256-K super-chunk of the CTA's 8 tiles (codes 2 KB + scales 256 B a tile: 16 bulk copies, full[s] with
 //   expect_tx); each consumer waits full[s], reads its lanes' 16-byte words (LDS), runs the same math and releases
-//   the stage (empty[s], one arrival a consumer warp).
-// Defines: DECODE (0 or 2), STAGES (probe_bulk's ring depth).
+//   the stage (empty[s], one arrival a consumer warp) after its math, or with RELEASE_EARLY as soon as the words are
+//   in its registers (so a 2-stage ring keeps a stage in flight during the math).
+// Defines: DECODE (0 or 2), STAGES (probe_bulk's ring depth), RELEASE_EARLY.
 #define ROWT 2
 #ifndef DECODE
 #define DECODE 0
@@ -16,6 +17,9 @@
 #define EARLY 0
 #ifndef STAGES
 #define STAGES 3
+#endif
+#ifndef RELEASE_EARLY
+#define RELEASE_EARLY 0
 #endif
 #include "../../m3c/backends/kernels/cuda/ptx_common.cuh"
 #include "../../m3c/backends/kernels/cuda/moe_weight_stream.cuh"
@@ -119,9 +123,15 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
       for (int c = 0; c < 4; ++c) cb[t][c] = *(const uint4*)(st + t * TILE_STAGE + c * 512 + lane * 16);
       sb[t] = *(const uint2*)(st + t * TILE_STAGE + 2048 + lane * 8);
     }
+#if RELEASE_EARLY  // the stage released once its words are in registers (the arrive's release orders the reads)
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
+    math<1>(w, cb, sb, sc, xrow, acc);
+#else  // released after the math
     math<1>(w, cb, sb, sc, xrow, acc);
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
+#endif
   }
   store_col0(acc, h, tile0, ks, rows);
 }
