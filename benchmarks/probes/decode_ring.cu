@@ -62,6 +62,17 @@ probe_regs(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
 }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// mbar_wait with a bound: a protocol bug traps (the launch fails at once) instead of hanging the benchmark's call.
+__device__ __forceinline__ void wait_or_trap(u32 a, u32 parity) {
+  for (long spins = 0;; ++spins) {
+    u32 done;
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+    if (done) return;
+    if (spins > (1L << 24)) __trap();
+  }
+}
+
 // Dynamic shared memory: the ring (STAGES x STAGE_BYTES), then the token row (Kc + 4 f16).
 extern "C" __global__ void __launch_bounds__(160)
 probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows, int K, int KS, void* scratch0,
@@ -101,7 +112,7 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   if (warp == 4) {
     if (lane == 0)
       for (int sc = STAGES; sc < nsc; ++sc) {
-        mbar_wait(smem_addr(&empty[sc % STAGES]), (sc / STAGES - 1) & 1);
+        wait_or_trap(smem_addr(&empty[sc % STAGES]), (sc / STAGES - 1) & 1);
         issue(sc);
       }
     return;
@@ -113,7 +124,7 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   float acc[ROWT][1][4] = {};
   for (int sc = 0; sc < nsc; ++sc) {
     const int s = sc % STAGES;
-    mbar_wait(smem_addr(&full[s]), (sc / STAGES) & 1);
+    wait_or_trap(smem_addr(&full[s]), (sc / STAGES) & 1);
     const u8* st = smem + s * STAGE_BYTES + warp * ROWT * TILE_STAGE;
     uint4 cb[ROWT][4];
     uint2 sb[ROWT];
