@@ -61,16 +61,10 @@ probe_regs(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   store_col0(acc, h, tile0, ks, rows);
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 // mbar_wait with a bound: a protocol bug traps (the launch fails at once) instead of hanging the benchmark's call.
 __device__ __forceinline__ void wait_or_trap(u32 a, u32 parity) {
-  for (long spins = 0;; ++spins) {
-    u32 done;
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
-    if (done) return;
+  for (long spins = 0; !mbar_try_wait(a, parity); ++spins)
     if (spins > (1L << 24)) __trap();
-  }
 }
 
 // Dynamic shared memory: the ring (STAGES x STAGE_BYTES), then the token row (Kc + 4 f16).
@@ -85,8 +79,8 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   const long tb = (long)K * 8, tsb = K;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(smem_addr(&full[s]), 1);
-      mbar_init(smem_addr(&empty[s]), 4);
+      mbar_init(smem_u32(&full[s]), 1);
+      mbar_init(smem_u32(&empty[s]), 4);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -96,7 +90,7 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   // barrier: with the ring full it waits on consumers that wait in the barrier for it, session 38's first run.)
   auto issue = [&](int sc) {
     const int s = sc % STAGES;
-    const u32 bar = smem_addr(&full[s]), dst = smem_addr(smem + s * STAGE_BYTES);
+    const u32 bar = smem_u32(&full[s]), dst = smem_u32(smem + s * STAGE_BYTES);
     mbar_arrive_tx(bar, STAGE_BYTES);
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
@@ -112,7 +106,7 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   if (warp == 4) {
     if (lane == 0)
       for (int sc = STAGES; sc < nsc; ++sc) {
-        wait_or_trap(smem_addr(&empty[sc % STAGES]), (sc / STAGES - 1) & 1);
+        wait_or_trap(smem_u32(&empty[sc % STAGES]), (sc / STAGES - 1) & 1);
         issue(sc);
       }
     return;
@@ -124,7 +118,7 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   float acc[ROWT][1][4] = {};
   for (int sc = 0; sc < nsc; ++sc) {
     const int s = sc % STAGES;
-    wait_or_trap(smem_addr(&full[s]), (sc / STAGES) & 1);
+    wait_or_trap(smem_u32(&full[s]), (sc / STAGES) & 1);
     const u8* st = smem + s * STAGE_BYTES + warp * ROWT * TILE_STAGE;
     uint4 cb[ROWT][4];
     uint2 sb[ROWT];
@@ -136,12 +130,12 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
     }
 #if RELEASE_EARLY  // the stage released once its words are in registers (the arrive's release orders the reads)
     __syncwarp();
-    if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
+    if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
     math<1>(w, cb, sb, sc, xrow, acc);
 #else  // released after the math
     math<1>(w, cb, sb, sc, xrow, acc);
     __syncwarp();
-    if (lane == 0) mbar_arrive(smem_addr(&empty[s]));
+    if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
 #endif
   }
   store_col0(acc, h, tile0, ks, rows);

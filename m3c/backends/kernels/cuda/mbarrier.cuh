@@ -1,6 +1,6 @@
 // mbarrier and bulk-copy (cp.async.bulk, SASS UBLKCP) helpers for kernels that stream into shared memory through
 // a ring of stages: moe_prefill_ws.cu's producer / consumer warps, and benchmarks/probes/decode_ring.cu. Addresses
-// are shared-memory offsets (u32, e.g. wgmma_common.cuh's smem_u32). No system headers.
+// are shared-memory offsets (u32: ptx_common.cuh's smem_u32). No system headers.
 #pragma once
 
 #include "ptx_common.cuh"
@@ -15,12 +15,16 @@ __device__ __forceinline__ void mbar_arrive(u32 a) {
 __device__ __forceinline__ void mbar_cp_arrive(u32 a) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(a) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
+// One try: whether the barrier's phase of this parity has completed (try_wait may suspend the thread a while first).
+__device__ __forceinline__ bool mbar_try_wait(u32 a, u32 parity) {
   u32 done;
-  do {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
-  } while (!done);
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  return done;
+}
+__device__ __forceinline__ void mbar_wait(u32 a, u32 parity) {
+  while (!mbar_try_wait(a, parity)) {
+  }
 }
 // This thread's arrival, announcing `tx` bytes of bulk copies that complete on the barrier.
 __device__ __forceinline__ void mbar_arrive_tx(u32 a, u32 tx) {

@@ -1,6 +1,6 @@
 // Helpers shared by the CUDA C++ kernels of this directory (included by each .cu; no system headers): integer
-// types, streaming loads, byte permutes, f16 / E4M3 / bf16 conversions, the mma.sync m16n8k16 f16 -> f32 MMA and the
-// natural-order NVFP4 decode (decode8).
+// types, shared-memory addresses (smem_u32), streaming loads, byte permutes, f16 / E4M3 / bf16 conversions, the
+// mma.sync m16n8k16 f16 -> f32 MMA and the natural-order NVFP4 decode (decode8).
 #pragma once
 
 typedef unsigned int u32;
@@ -66,6 +66,12 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int expect, int* fl
   return *flag;
 }
 
+// A shared-memory pointer as the 32-bit shared-window address the mbarrier, bulk-copy and wgmma operands take.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
 __device__ __forceinline__ uint4 ld_stream4(const u8* p) {  // 16 bytes read once: no L1 allocation
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"

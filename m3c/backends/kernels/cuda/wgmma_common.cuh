@@ -5,11 +5,6 @@
 
 #include "ptx_common.cuh"
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
 __device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {  // 16 bytes, zeros when !ok
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
