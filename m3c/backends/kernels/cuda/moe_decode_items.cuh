@@ -77,6 +77,15 @@ __device__ __forceinline__ int counter_row(const Block& b, int E) {
   return b.expert >= 0 ? b.expert : E + max(b.grp, 0);
 }
 
+// Token n's first slot k with ids[n topk + k] == expert, as n topk + k (-1: none); ids are find_block's kept
+// shorts or the routing's long longs.
+template <class Id>
+__device__ __forceinline__ int slot_of(const Id* ids, int n, int topk, int expert) {
+  for (int k = 0; k < topk; ++k)
+    if (ids[n * topk + k] == expert) return n * topk + k;
+  return -1;
+}
+
 // The tokens this block works on, compacted: pair[n] = the row of h / y of token n (routed: n * topk + slot or -1;
 // shared: T * topk + n), tok[c] = the c-th token with a pair (in token order), *cnt their number. The MMA's columns
 // are c < cnt, so a routed expert that 3 of 16 tokens picked runs one 8-column tile and stages 3 rows, not 16.
@@ -88,12 +97,8 @@ __device__ void find_tokens(int* pair, int* tok, int* cnt, u32* masks, const lon
     int p = -1;
     if (expert < 0) {
       p = T * topk + n;
-    } else if (kept) {
-      for (int k = 0; k < topk; ++k)
-        if (sid[n * topk + k] == expert) { p = n * topk + k; break; }
     } else {
-      for (int k = 0; k < topk; ++k)
-        if (ids[n * topk + k] == expert) { p = n * topk + k; break; }
+      p = kept ? slot_of(sid, n, topk, expert) : slot_of(ids, n, topk, expert);
     }
     pair[n] = p;
   }
