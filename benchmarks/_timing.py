@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,28 @@ def bench_graph(fn: Callable[[], Any], rep: int = 100) -> float:
     except Exception as e:  # recorded in the tables as NaN
         print(f"graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         return float("nan")
+
+
+def soak_clock(run: Callable[[], Any], seconds: float) -> tuple[float, float]:
+    """Median SM clock (MHz) and board power (W) that nvidia-smi samples every 50 ms while `run` replays back to back
+    for `seconds` (NaN, NaN if nvidia-smi cannot be started)."""
+    try:
+        smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    except OSError:
+        return float("nan"), float("nan")
+    end = time.time() + seconds
+    while time.time() < end:
+        for _ in range(50):
+            run()
+        torch.cuda.synchronize()
+    smi.terminate()
+    out, _ = smi.communicate()
+    # (the first two samples dropped: they may predate the replays)
+    samples = [[float(v) for v in line.split(",")] for line in out.splitlines()[2:] if line.count(",") == 1]
+    if not samples:
+        return float("nan"), float("nan")
+    return statistics.median(c for c, _ in samples), statistics.median(w for _, w in samples)
 
 
 def kernel_times(fn: Callable[[], Any], calls: int = 20) -> dict[str, float]:

@@ -6,7 +6,8 @@ of the output (equal hashes: bitwise the same result).
 Usage (H200): PYTHONPATH=<tree> python benchmarks/bench_moe_ab.py --tag new --tokens 1,4,16,64 >> ab.jsonl
 A knob of one tree instead: ... --tag d1 --knob DECODE=1 (moe_cuda's module attributes, ints); the programmatic
 launches of one NT build: ... --tag fc2 --pdl 1=moe_fc2 (``--pdl 1=`` none; ``--pdl fold=...`` the folded calls';
-moe_cuda.PDL); --kernels: each expert launch's profiler µs too.
+moe_cuda.PDL); --kernels: each expert launch's profiler µs too; --soak S: the SM clock and power over S seconds of
+replays.
 Then: python benchmarks/bench_moe_ab.py --summarize ab.jsonl (a line per T and tag, the runs side by side).
 """
 
@@ -17,7 +18,7 @@ import hashlib
 import json
 
 import torch
-from _timing import bench_graph, kernel_times
+from _timing import bench_graph, kernel_times, soak_clock
 
 from m3c.backends.kernels import moe_cuda
 from m3c.backends.kernels.moe_routing import moe_route
@@ -26,9 +27,10 @@ from m3c.fused.moe import MegaMoE, random_moe
 H, INTER, E, K, S = 6144, 1536, 64, 8, 1536
 
 
-def point(tag: str, t: int, moe, mm: MegaMoE, gen: torch.Generator, kernels: bool = False) -> dict:
+def point(tag: str, t: int, moe, mm: MegaMoE, gen: torch.Generator, kernels: bool = False, soak: float = 0.0) -> dict:
     """One T: error, output hash, the whole op and (where the CUDA decode kernels take T) the experts alone (with
-    `kernels`, also each of their launches' profiler µs: a kernel's own time, the gaps between them left out)."""
+    `kernels`, also each of their launches' profiler µs: a kernel's own time, the gaps between them left out; with
+    `soak`, the median SM clock and board power while the whole op's CUDA graph replays for that many seconds)."""
     w13, w2, s13, s2 = mm.weights()
     cfg = moe.cfg
     x = torch.randn(t, H, generator=gen, device="cuda").to(torch.bfloat16)
@@ -41,6 +43,11 @@ def point(tag: str, t: int, moe, mm: MegaMoE, gen: torch.Generator, kernels: boo
            "err": float((out.float() - truth).norm() / truth.norm()),
            "hash": hashlib.sha256(out.float().cpu().numpy().tobytes()).hexdigest()[:12],
            "megamoe_us": bench_graph(lambda: mm(x)) * 1e3}
+    if soak > 0:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            mm(x)
+        row["sm_mhz"], row["watts"] = soak_clock(graph.replay, soak)
     if t <= moe_cuda.MAX_TOKENS:
         row["experts_us"] = bench_graph(lambda: moe_cuda.moe_decode_mma(x, ids, w, w13, w2, s13, s2)) * 1e3
         if kernels:
@@ -85,6 +92,8 @@ def main() -> None:
     ap.add_argument("--pdl", action="append", default=[], metavar="NT=K1,K2",
                     help="launch these kernels of the NT (or 'fold') builds programmatically (moe_cuda.PDL; empty: none)")
     ap.add_argument("--kernels", action="store_true", help="also each expert launch's profiler µs")
+    ap.add_argument("--soak", type=float, default=0.0,
+                    help="also the SM clock and power (nvidia-smi) while the whole op replays this many seconds")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -104,7 +113,7 @@ def main() -> None:
     moe = random_moe(H, INTER, E, K, "mxfp8", gen, device="cuda")
     mm = MegaMoE.from_reference(moe)
     for t in (int(v) for v in args.tokens.split(",")):
-        print(json.dumps(point(args.tag, t, moe, mm, gen, args.kernels)), flush=True)
+        print(json.dumps(point(args.tag, t, moe, mm, gen, args.kernels, args.soak)), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,19 +2,23 @@
 // stream get faster when the weights land in shared memory by bulk copies from a producer warp, several stages
 // ahead, instead of each warp's two register buffers? Both kernels run the decode's own math (moe_weight_stream.cuh:
 // decode_nvfp4 + mma.sync, or DECODE 2's XOR of the loaded words) on the same prepacked NVFP4 rows, a 128-row block
-// and one K split a CTA, one token; so their outputs are bitwise equal and only the loading differs.
+// and one K split a CTA, T tokens (NT column tiles); so their outputs are bitwise equal and only the loading differs.
 // - probe_regs: 4 warps, each the decode's gemv over its two 16-row tiles (register double buffer).
 // - probe_bulk: 4 consumer warps and a producer warp. The producer's lane 0 fills a STAGES-deep ring, each stage one
 //   256-K super-chunk of the CTA's 8 tiles (codes 2 KB + scales 256 B a tile: 16 bulk copies, full[s] with
 //   expect_tx); each consumer waits full[s], reads its lanes' 16-byte words (LDS), runs the same math and releases
 //   the stage (empty[s], one arrival a consumer warp) after its math, or with RELEASE_EARLY as soon as the words are
 //   in its registers (so a 2-stage ring keeps a stage in flight during the math).
-// Defines: DECODE (0 or 2), STAGES (probe_bulk's ring depth), RELEASE_EARLY.
+// Defines: DECODE (0 or 2), STAGES (probe_bulk's ring depth), RELEASE_EARLY, NT (8-token MMA column tiles: the
+// decode's build for T <= 8 or T <= 16 tokens; the kernels take T).
 #define ROWT 2
 #ifndef DECODE
 #define DECODE 0
 #endif
 #define EARLY 0
+#ifndef NT
+#define NT 1
+#endif
 #ifndef STAGES
 #define STAGES 3
 #endif
@@ -28,36 +32,47 @@
 #define TILE_STAGE (2048 + 256)  // a tile's super-chunk in the ring: codes, then scales
 #define STAGE_BYTES (8 * TILE_STAGE)
 
-// The token's K range [ks Kc, (ks + 1) Kc) as row 0 of xs (row stride Kc + 4, as the decode stages its columns).
-__device__ __forceinline__ void stage_token(const u16* x16, int k0, int Kc, u16* xs) {
-  for (int i = threadIdx.x; i < Kc / 8; i += blockDim.x) *(uint4*)(xs + 8 * i) = *(const uint4*)(x16 + k0 + 8 * i);
+// The T tokens' K range [ks Kc, (ks + 1) Kc) as rows 0 .. T - 1 of xs (row stride Kc + 4, as the decode stages its
+// columns; 8-byte stores, since that stride is a multiple of 8 bytes, not 16).
+__device__ __forceinline__ void stage_tokens(const u16* x16, int K, int k0, int Kc, int T, u16* xs) {
+  for (int i = threadIdx.x; i < T * (Kc / 4); i += blockDim.x) {
+    const int t = i / (Kc / 4), c = i % (Kc / 4);
+    *(uint2*)(xs + (long)t * (Kc + 4) + 4 * c) = *(const uint2*)(x16 + (long)t * K + k0 + 4 * c);
+  }
 }
 
-// Column 0 of the warp's two tiles' results (lanes j = 0 hold it: rows g and g + 8) into h[ks][row].
-__device__ __forceinline__ void store_col0(const float (*acc)[1][4], float* h, int tile0, int ks, int rows) {
+// Column 0 of each of the NT column tiles of the warp's two tiles' results, summed (lanes j = 0 hold them: rows g
+// and g + 8), into h[ks][row]: every MMA's result reaches the output.
+__device__ __forceinline__ void store_col0(const float (*acc)[NT][4], float* h, int tile0, int ks, int rows) {
   const int lane = threadIdx.x & 31, g = lane >> 2;
   if ((lane & 3) == 0)
 #pragma unroll
     for (int t = 0; t < ROWT; ++t) {
-      h[(long)ks * rows + (tile0 + t) * 16 + g] = acc[t][0][0];
-      h[(long)ks * rows + (tile0 + t) * 16 + g + 8] = acc[t][0][2];
+      float lo = acc[t][0][0], hi = acc[t][0][2];
+#pragma unroll
+      for (int nt = 1; nt < NT; ++nt) {
+        lo += acc[t][nt][0];
+        hi += acc[t][nt][2];
+      }
+      h[(long)ks * rows + (tile0 + t) * 16 + g] = lo;
+      h[(long)ks * rows + (tile0 + t) * 16 + g + 8] = hi;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(128, 4)
-probe_regs(const u8* codes, const u8* scales, const u16* x16, float* h, int rows, int K, int KS, void* scratch0,
+probe_regs(const u8* codes, const u8* scales, const u16* x16, float* h, int rows, int K, int KS, int T, void* scratch0,
            void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   u16* xs = (u16*)smem;
   const int Kc = K / KS, ks = blockIdx.x % KS, block = blockIdx.x / KS, warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31, tile0 = block * 8 + warp * ROWT;
-  stage_token(x16, ks * Kc, Kc, xs);
+  stage_tokens(x16, K, ks * Kc, Kc, T, xs);
   __syncthreads();
   const long tb = (long)K * 8, tsb = K;
   const Nvfp4Stream w{codes + tile0 * tb + (long)ks * Kc * 8 + lane * 16, scales + tile0 * tsb + (long)ks * Kc + lane * 8,
                       tb, tsb};
-  float acc[ROWT][1][4] = {};
-  gemv<1>(w, Kc / 256, xs, Kc, 1, acc, NoStage{});
+  float acc[ROWT][NT][4] = {};
+  gemv<NT>(w, Kc / 256, xs, Kc, T, acc, NoStage{});
   store_col0(acc, h, tile0, ks, rows);
 }
 
@@ -67,9 +82,9 @@ __device__ __forceinline__ void wait_or_trap(u32 a, u32 parity) {
     if (spins > (1L << 24)) __trap();
 }
 
-// Dynamic shared memory: the ring (STAGES x STAGE_BYTES), then the token row (Kc + 4 f16).
+// Dynamic shared memory: the ring (STAGES x STAGE_BYTES), then the T token rows (Kc + 4 f16 each).
 extern "C" __global__ void __launch_bounds__(160)
-probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows, int K, int KS, void* scratch0,
+probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows, int K, int KS, int T, void* scratch0,
            void* scratch1) {
   extern __shared__ __align__(16) u8 smem[];
   __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
@@ -101,7 +116,7 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   };
   if (warp == 4 && lane == 0)
     for (int sc = 0; sc < min(STAGES, nsc); ++sc) issue(sc);
-  stage_token(x16, ks * Kc, Kc, xs);
+  stage_tokens(x16, K, ks * Kc, Kc, T, xs);
   __syncthreads();
   if (warp == 4) {
     if (lane == 0)
@@ -113,9 +128,9 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   }
   const int tile0 = block * 8 + warp * ROWT;
   const Nvfp4Stream w{nullptr, nullptr, 0, 0};  // (its math reads the registers passed to it, not its pointers)
-  const u16* xrow[1];
-  token_rows<1>(xrow, xs, Kc, 1, Nvfp4Stream::k_lane * (lane & 3));
-  float acc[ROWT][1][4] = {};
+  const u16* xrow[NT];
+  token_rows<NT>(xrow, xs, Kc, T, Nvfp4Stream::k_lane * (lane & 3));
+  float acc[ROWT][NT][4] = {};
   for (int sc = 0; sc < nsc; ++sc) {
     const int s = sc % STAGES;
     wait_or_trap(smem_u32(&full[s]), (sc / STAGES) & 1);
@@ -131,9 +146,9 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
 #if RELEASE_EARLY  // the stage released once its words are in registers (the arrive's release orders the reads)
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
-    math<1>(w, cb, sb, sc, xrow, acc);
+    math<NT>(w, cb, sb, sc, xrow, acc);
 #else  // released after the math
-    math<1>(w, cb, sb, sc, xrow, acc);
+    math<NT>(w, cb, sb, sc, xrow, acc);
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
 #endif
