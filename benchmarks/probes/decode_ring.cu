@@ -16,6 +16,8 @@
 #define DECODE 0
 #endif
 #define EARLY 0
+#define WARPS 4  // (moe_decode_stage.cuh: its stage_direct, unused here, reads these two)
+#define ACT_BF16 1
 #ifndef NT
 #define NT 1
 #endif
@@ -28,17 +30,20 @@
 #include "../../m3c/backends/kernels/cuda/ptx_common.cuh"
 #include "../../m3c/backends/kernels/cuda/moe_weight_stream.cuh"
 #include "../../m3c/backends/kernels/cuda/mbarrier.cuh"
+#include "../../m3c/backends/kernels/cuda/moe_decode_stage.cuh"
 
 #define TILE_STAGE (2048 + 256)  // a tile's super-chunk in the ring: codes, then scales
 #define STAGE_BYTES (8 * TILE_STAGE)
 
-// The T tokens' K range [ks Kc, (ks + 1) Kc) as rows 0 .. T - 1 of xs (row stride Kc + 4, as the decode stages its
-// columns; 8-byte stores, since that stride is a multiple of 8 bytes, not 16).
+// The T tokens' K range [ks Kc, (ks + 1) Kc) as rows 0 .. T - 1 of xs (row stride Kc + 4) by the decode's own
+// staging (moe_decode_stage.cuh's stage_rows: four 16-byte loads in flight a thread), every token's scale 1.
+__device__ const float kOnes[16] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
 __device__ __forceinline__ void stage_tokens(const u16* x16, int K, int k0, int Kc, int T, u16* xs) {
-  for (int i = threadIdx.x; i < T * (Kc / 4); i += blockDim.x) {
-    const int t = i / (Kc / 4), c = i % (Kc / 4);
-    *(uint2*)(xs + (long)t * (Kc + 4) + 4 * c) = *(const uint2*)(x16 + (long)t * K + k0 + 4 * c);
-  }
+  __shared__ int rowof[16];
+  __shared__ float mult[16];
+  if (threadIdx.x < 16) rowof[threadIdx.x] = threadIdx.x;
+  __syncthreads();
+  stage_rows(x16, kOnes, rowof, T, K, k0, Kc, xs, mult);  // (ends in a CTA barrier)
 }
 
 // Column 0 of each of the NT column tiles of the warp's two tiles' results, summed (lanes j = 0 hold them: rows g

@@ -1,7 +1,7 @@
 // How an expert CTA of the MegaMoE decode (moe_decode_mma.cu) stages its tokens into shared memory as f16 MMA
 // columns (row stride Kc + 4) with their power-of-two up-scales: from moe_stage_x's x16 (stage_rows), from FC1's
 // folded act (stage_act, FOLD_ACT) or straight from the raw tokens (stage_direct). Macros from the including file:
-// WARPS, ACT_BF16 (through moe_tokens.cuh), FOLD_ACT, QUEUE. No system headers.
+// WARPS, ACT_BF16 (also moe_tokens.cuh's), FOLD_ACT, QUEUE. No system headers.
 #pragma once
 
 #include "ptx_common.cuh"
