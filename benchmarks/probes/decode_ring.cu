@@ -74,8 +74,8 @@ probe_regs(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   stage_tokens(x16, K, ks * Kc, Kc, T, xs);
   __syncthreads();
   const long tb = (long)K * 8, tsb = K;
-  const Nvfp4Stream w{codes + tile0 * tb + (long)ks * Kc * 8 + lane * 16, scales + tile0 * tsb + (long)ks * Kc + lane * 8,
-                      tb, tsb};
+  const Nvfp4Stream w{codes + tile0 * tb + (long)ks * Kc * 8 + lane * 16,
+                      scales + tile0 * tsb + (long)ks * Kc + lane * 8, tb, tsb};
   float acc[ROWT][NT][4] = {};
   gemv<NT>(w, Kc / 256, xs, Kc, T, acc, NoStage{});
   store_col0(acc, h, tile0, ks, rows);
