@@ -36,14 +36,15 @@
 #define STAGE_BYTES (8 * TILE_STAGE)
 
 // The T tokens' K range [ks Kc, (ks + 1) Kc) as rows 0 .. T - 1 of xs (row stride Kc + 4) by the decode's own
-// staging (moe_decode_stage.cuh's stage_rows: four 16-byte loads in flight a thread), every token's scale 1.
+// staging (moe_decode_stage.cuh's stage_rows: four 16-byte loads in flight a thread, a CTA barrier at its end),
+// every token's scale 1.
 __device__ const float kOnes[16] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
 __device__ __forceinline__ void stage_tokens(const u16* x16, int K, int k0, int Kc, int T, u16* xs) {
   __shared__ int rowof[16];
   __shared__ float mult[16];
   if (threadIdx.x < 16) rowof[threadIdx.x] = threadIdx.x;
   __syncthreads();
-  stage_rows(x16, kOnes, rowof, T, K, k0, Kc, xs, mult);  // (ends in a CTA barrier)
+  stage_rows(x16, kOnes, rowof, T, K, k0, Kc, xs, mult);
 }
 
 // Column 0 of each of the NT column tiles of the warp's two tiles' results, summed (lanes j = 0 hold them: rows g
@@ -71,8 +72,7 @@ probe_regs(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   u16* xs = (u16*)smem;
   const int Kc = K / KS, ks = blockIdx.x % KS, block = blockIdx.x / KS, warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31, tile0 = block * 8 + warp * ROWT;
-  stage_tokens(x16, K, ks * Kc, Kc, T, xs);
-  __syncthreads();
+  stage_tokens(x16, K, ks * Kc, Kc, T, xs);  // (ends in a CTA barrier)
   const long tb = (long)K * 8, tsb = K;
   const Nvfp4Stream w{codes + tile0 * tb + (long)ks * Kc * 8 + lane * 16,
                       scales + tile0 * tsb + (long)ks * Kc + lane * 8, tb, tsb};
@@ -102,7 +102,7 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
       mbar_init(smem_u32(&full[s]), 1);
       mbar_init(smem_u32(&empty[s]), 4);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __syncthreads();
   // The producer's lane 0 issues the first STAGES stages (no wait), every thread stages the token, and after the
@@ -121,8 +121,7 @@ probe_bulk(const u8* codes, const u8* scales, const u16* x16, float* h, int rows
   };
   if (warp == 4 && lane == 0)
     for (int sc = 0; sc < min(STAGES, nsc); ++sc) issue(sc);
-  stage_tokens(x16, K, ks * Kc, Kc, T, xs);
-  __syncthreads();
+  stage_tokens(x16, K, ks * Kc, Kc, T, xs);  // (ends in a CTA barrier)
   if (warp == 4) {
     if (lane == 0)
       for (int sc = STAGES; sc < nsc; ++sc) {

@@ -8,6 +8,10 @@
 __device__ __forceinline__ void mbar_init(u32 a, u32 n) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(n) : "memory");
 }
+// After a CTA's mbar_inits, before any other thread (or the bulk-copy unit) uses those barriers.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
 __device__ __forceinline__ void mbar_arrive(u32 a) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
 }

@@ -199,7 +199,7 @@ __device__ __forceinline__ void ws_gemm(const u8* xq, const float* xs, const int
       mbar_init(full0 + 8 * i, TBULK ? NP + 1 : 2 * NP);
       mbar_init(empty0 + 8 * i, 8);    // the consumers' 8 warps
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   __shared__ int tbase[MAXE + 1], wsum[THREADS / 32];
   tile_table(offs, E, tbase, wsum, tid);
